@@ -1,0 +1,163 @@
+"""Plain data types passed between the stages of one decoding cycle.
+
+    draft  --DraftTree-->  select  --Selection-->  verify  --VerifyResult-->  commit
+
+A cycle starts from the *root*: the last committed token, which the target has not
+processed yet.  The draft grows a tree below the root level by level; a selection
+policy picks an ancestor-closed subset of its nodes; the target verifies
+``[root] + selected nodes`` in one forward pass with a tree attention mask; the
+accepted path (plus one bonus token from the target) is committed.
+
+Node indices are positions in the tree's flat arrays (creation order, so parents
+always precede children).  Depth 1 means "child of the root".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DraftTree", "Selection", "VerifyResult"]
+
+
+@dataclass
+class DraftTree:
+    """A draft token tree below ``root_token``.
+
+    Attributes:
+        root_token: the committed token the cycle starts from (verified in every cycle).
+        tokens: ``[N]`` target-vocabulary token id of each node.
+        parents: ``[N]`` index of each node's parent, ``-1`` when the parent is the root.
+        depths: ``[N]`` depth of each node (root children have depth 1).
+        draft_probs: ``[N]`` draft probability of the node's token given its parent path.
+        path_probs: ``[N]`` product of ``draft_probs`` along the path root -> node
+            (the draft's cumulative score; EAGLE-2/3 rank nodes by it).
+        hidden: ``[N, D]`` the draft's hidden state after consuming each node's token, or
+            ``None`` when the drafter exposes none.  Expert predictors read it.
+        root_hidden: ``[D]`` the draft's hidden state for the root token, or ``None``.
+        expanded: ``[N]`` bool, whether the drafter has already run this node (its
+            children may exist).  Frontier = the newest level.
+        num_levels: how many levels have been drafted.
+    """
+
+    root_token: int
+    tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    parents: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    depths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    draft_probs: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    path_probs: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    hidden: torch.Tensor | None = None
+    root_hidden: torch.Tensor | None = None
+    num_levels: int = 0
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def add_level(
+        self,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        draft_probs: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append one level of nodes; returns the indices of the new nodes.
+
+        ``parents`` index existing nodes (or ``-1`` for the root).  Path probabilities
+        and depths are derived here so every drafter computes them the same way.
+        """
+        tokens = tokens.reshape(-1).to(torch.long).cpu()
+        parents = parents.reshape(-1).to(torch.long).cpu()
+        draft_probs = draft_probs.reshape(-1).to(torch.float64).cpu()
+        if not (tokens.numel() == parents.numel() == draft_probs.numel()):
+            raise ValueError("tokens, parents and draft_probs must have the same length")
+        n0 = len(self)
+        if parents.numel() and int(parents.max()) >= n0:
+            raise ValueError("a node's parent must already be in the tree")
+        has_parent = parents >= 0
+        parent_path = torch.ones_like(draft_probs)
+        parent_depth = torch.zeros_like(parents)
+        if has_parent.any():
+            parent_path[has_parent] = self.path_probs[parents[has_parent]]
+            parent_depth[has_parent] = self.depths[parents[has_parent]]
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.parents = torch.cat([self.parents, parents])
+        self.depths = torch.cat([self.depths, parent_depth + 1])
+        self.draft_probs = torch.cat([self.draft_probs.to(torch.float64), draft_probs])
+        self.path_probs = torch.cat([self.path_probs.to(torch.float64), parent_path * draft_probs])
+        if hidden is not None:
+            hidden = hidden.reshape(tokens.numel(), -1)
+            self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden.to(self.hidden)])
+        self.num_levels += 1
+        return torch.arange(n0, n0 + tokens.numel())
+
+    def level(self, depth: int) -> torch.Tensor:
+        """Indices of the nodes at ``depth``."""
+        return torch.nonzero(self.depths == depth).reshape(-1)
+
+    def ancestors(self, node: int) -> list[int]:
+        """Path root -> node as node indices (root excluded, ``node`` included)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    def subtree(self, nodes: torch.Tensor | list[int]) -> "DraftTree":
+        """The tree restricted to ``nodes`` (must be ancestor-closed), re-indexed in order."""
+        nodes = torch.as_tensor(nodes, dtype=torch.long).sort().values
+        remap = torch.full((len(self) + 1,), -1, dtype=torch.long)
+        remap[nodes] = torch.arange(nodes.numel())
+        parents = self.parents[nodes]
+        new_parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
+        if bool(((parents >= 0) & (new_parents < 0)).any()):
+            raise ValueError("subtree nodes must be ancestor-closed")
+        return DraftTree(
+            root_token=self.root_token,
+            tokens=self.tokens[nodes],
+            parents=new_parents,
+            depths=self.depths[nodes],
+            draft_probs=self.draft_probs[nodes],
+            path_probs=self.path_probs[nodes],
+            hidden=None if self.hidden is None else self.hidden[nodes],
+            root_hidden=self.root_hidden,
+            num_levels=int(self.depths[nodes].max()) if nodes.numel() else 0,
+        )
+
+
+@dataclass
+class Selection:
+    """The subtree chosen for verification.
+
+    ``nodes`` are sorted tree indices, ancestor-closed; empty means a plain decode step
+    (only the root is verified).  The predicted figures are filled by policies that
+    model the cycle (``specfit``); others leave them ``nan``.
+    """
+
+    nodes: torch.Tensor
+    expected_tokens: float = float("nan")
+    predicted_time: float = float("nan")
+    throughput: float = float("nan")
+    stop: bool = False  # the policy asks the drafter to stop expanding
+
+    def __len__(self) -> int:
+        return int(self.nodes.numel())
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying ``[root] + selection`` with one target forward.
+
+    Attributes:
+        accepted: tree indices of the accepted nodes, root-to-leaf order.
+        accepted_positions: positions (0 = root) within the verified block of the root
+            and the accepted nodes; the caches keep exactly these.
+        new_tokens: token ids committed this cycle: the accepted nodes' tokens then
+            the bonus token sampled from the target.
+        bonus_token: the target's own token after the accepted path (next cycle's root).
+    """
+
+    accepted: list[int]
+    accepted_positions: list[int]
+    new_tokens: list[int]
+    bonus_token: int
