@@ -1,0 +1,63 @@
+"""Stage 2 of the cycle: grow a draft tree below the root, level by level.
+
+A :class:`Drafter` wraps a draft model for one ``generate`` call.  The loop drives it:
+
+    drafter.start(prompt_ids, features)        # once, after the target's prefill
+    each cycle:
+        tree = DraftTree(root_token)
+        drafter.draft_level(tree)               # repeated while the policy wants more
+        ... verify ...
+        drafter.commit(tree, result, features)  # keep only the accepted path
+
+``features`` are the target's hidden states the drafter asked for through
+``target_feature_indices`` (HF ``hidden_states`` indices), concatenated on the last
+axis in that order: ``[1, T, len(indices) * H_target]``, one row per target position
+(prompt positions at ``start``; root + accepted nodes at ``commit``).  Drafters that
+need no target features leave ``target_feature_indices`` as ``None`` and get ``None``.
+
+Draft models plug in through ``assistant_model.make_tree_drafter(target, config)``
+when they define it (the EAGLE-3 draft does); any other causal LM sharing the
+target's tokenizer gets the generic top-k tree drafter of this module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..tree import DraftTree, VerifyResult
+
+__all__ = ["Drafter"]
+
+
+class Drafter(ABC):
+    """Interface between the generation loop and a draft model."""
+
+    #: HF ``hidden_states`` indices of the target features this drafter consumes, or None.
+    target_feature_indices: tuple[int, ...] | None = None
+
+    @abstractmethod
+    def start(self, prompt_ids: torch.LongTensor, target_features: torch.Tensor | None) -> None:
+        """Prefill the draft on the prompt (``[1, T]``); the root comes with the first tree."""
+
+    @abstractmethod
+    def draft_level(self, tree: DraftTree) -> None:
+        """Add one level of children to ``tree`` (the first call adds the root's children).
+
+        Must fill tokens (target vocabulary ids), parents, draft_probs and, when the
+        drafter has one, each node's hidden state (``tree.hidden``, ``tree.root_hidden``).
+        """
+
+    @abstractmethod
+    def commit(self, tree: DraftTree, result: VerifyResult, target_features: torch.Tensor | None) -> None:
+        """Verification finished: keep the root and the accepted path, drop the rest.
+
+        ``target_features`` covers the root and the accepted nodes, in path order.
+        The next cycle's root is ``result.bonus_token``.
+        """
+
+    def make_state_snapshot(self) -> Any:  # pragma: no cover - optional, used by the oracle policy
+        """Optional: an opaque snapshot the oracle policy can restore to re-run a cycle."""
+        raise NotImplementedError
