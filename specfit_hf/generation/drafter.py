@@ -17,7 +17,17 @@ need no target features leave ``target_feature_indices`` as ``None`` and get ``N
 
 Draft models plug in through ``assistant_model.make_tree_drafter(target, config)``
 when they define it (the EAGLE-3 draft does); any other causal LM sharing the
-target's tokenizer gets the generic top-k tree drafter of this module.
+target's tokenizer gets the generic top-k tree drafter
+(:class:`specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`).  :func:`make_drafter`
+applies that rule.
+
+``config`` is the :class:`~specfit_hf.generation.config.SpecFitConfig` of the call; the
+tree's branching factor is ``config.tree_top_k`` (``config.top_k`` is the *sampling*
+top-k of ``GenerationConfig``), the draft depth ``config.max_depth``.
+
+Position convention: the root sits at position ``prefix_len`` (tokens before it in the
+target's cache) and a node of depth ``d`` at ``prefix_len + d``.  The root is the token
+the target produced last (at prefill, or the previous cycle's bonus token).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch
 
 from ..tree import DraftTree, VerifyResult
 
-__all__ = ["Drafter"]
+__all__ = ["Drafter", "make_drafter"]
 
 
 class Drafter(ABC):
@@ -61,3 +71,20 @@ class Drafter(ABC):
     def make_state_snapshot(self) -> Any:  # pragma: no cover - optional, used by the oracle policy
         """Optional: an opaque snapshot the oracle policy can restore to re-run a cycle."""
         raise NotImplementedError
+
+
+def make_drafter(assistant_model: Any, target: Any, config: Any) -> Drafter:
+    """The drafter for ``assistant_model``: its own ``make_tree_drafter`` if it has one,
+    else the generic :class:`~specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`."""
+    factory = getattr(assistant_model, "make_tree_drafter", None)
+    if callable(factory):
+        drafter = factory(target, config)
+        if not isinstance(drafter, Drafter):
+            raise TypeError(
+                f"{type(assistant_model).__name__}.make_tree_drafter returned {type(drafter).__name__}, "
+                "which does not implement specfit_hf.generation.drafter.Drafter"
+            )
+        return drafter
+    from .causal_lm_drafter import CausalLMTreeDrafter
+
+    return CausalLMTreeDrafter(assistant_model, target, config)

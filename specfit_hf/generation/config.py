@@ -1,0 +1,79 @@
+"""``SpecFitConfig``: a ``GenerationConfig`` that switches ``generate`` to tree speculative decoding.
+
+Passing ``generation_config=SpecFitConfig(...)`` together with ``assistant_model=draft`` to
+``model.generate`` runs the tree loop of :mod:`specfit_hf.generation.loop`; any other
+generation config keeps stock transformers behaviour.
+
+Naming note: ``GenerationConfig.top_k`` already means the *sampling* top-k (applied through
+the standard logits processors), so the tree's branching factor is called ``tree_top_k``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GenerationConfig
+
+__all__ = ["SpecFitConfig", "EAGLE3_DEFAULTS"]
+
+#: EAGLE-2/3 reference settings (``total_token`` 60, depth 7, top-k 10).
+EAGLE3_DEFAULTS = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
+
+# Attributes this class adds on top of GenerationConfig; used for (de)serialisation.
+_TREE_ATTRIBUTES = ("max_depth", "tree_top_k", "max_verify_nodes", "policy", "policy_kwargs")
+
+
+class SpecFitConfig(GenerationConfig):
+    """Generation config for tree speculative decoding.
+
+    Args:
+        max_depth: draft levels per cycle (EAGLE-3: 7).  A policy may stop earlier.
+        tree_top_k: branching factor of the draft tree: each expanded node gets its
+            ``tree_top_k`` most likely children and the ``tree_top_k`` best nodes of a level
+            (by cumulative draft probability) are expanded (EAGLE-3: 10).
+        max_verify_nodes: most draft nodes verified per cycle, root excluded (EAGLE-3: 60).
+        policy: name of the selection policy (see ``specfit_hf.selection.available_policies()``).
+        policy_kwargs: extra settings for the policy, stored verbatim.
+        **kwargs: any ``GenerationConfig`` argument (``max_new_tokens``, ``do_sample``, ...).
+    """
+
+    def __init__(
+        self,
+        max_depth: int = EAGLE3_DEFAULTS["max_depth"],
+        tree_top_k: int = EAGLE3_DEFAULTS["tree_top_k"],
+        max_verify_nodes: int = EAGLE3_DEFAULTS["max_verify_nodes"],
+        policy: str = "eagle3",
+        policy_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Set before super().__init__, which calls validate().
+        self.max_depth = int(max_depth)
+        self.tree_top_k = int(tree_top_k)
+        self.max_verify_nodes = int(max_verify_nodes)
+        self.policy = str(policy)
+        self.policy_kwargs = dict(policy_kwargs or {})
+        super().__init__(**kwargs)
+
+    def validate(self, strict: bool = False, user_set_attributes: set | None = None) -> None:  # noqa: D102
+        super().validate(strict=strict, user_set_attributes=user_set_attributes)
+        if self.max_depth < 1:
+            raise ValueError(f"SpecFitConfig.max_depth must be >= 1, got {self.max_depth}")
+        if self.tree_top_k < 1:
+            raise ValueError(f"SpecFitConfig.tree_top_k must be >= 1, got {self.tree_top_k}")
+        if self.max_verify_nodes < 0:
+            raise ValueError(f"SpecFitConfig.max_verify_nodes must be >= 0, got {self.max_verify_nodes}")
+        if not isinstance(self.policy_kwargs, dict):
+            raise ValueError("SpecFitConfig.policy_kwargs must be a dict")
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        # GenerationConfig diffs against a plain GenerationConfig(), where the tree
+        # attributes do not exist, so they are always written: a saved file then
+        # reloads with SpecFitConfig.from_pretrained to the same settings.
+        out = super().to_diff_dict()
+        for name in _TREE_ATTRIBUTES:
+            out[name] = getattr(self, name)
+        return out
+
+    def tree_settings(self) -> dict[str, Any]:
+        """The tree-specific settings only (handy for logs and benchmarks)."""
+        return {name: getattr(self, name) for name in _TREE_ATTRIBUTES}

@@ -1,0 +1,333 @@
+"""The generation loop: tree speculative decoding, one cycle read top-down.
+
+    prefill   target forward on the prompt -> first token (the first root); drafter.start
+    cycle     propose   draft levels / select until the policy stops      (candidates.py)
+              verify    one target forward over [root] + selection        (verify.py)
+              accept    greedy match or lossless rejection sampling       (verify.py)
+              stop      max_new_tokens / eos / stopping criteria inside the tree
+              commit    target cache keeps the accepted path              (cache.py)
+                        drafter keeps the accepted path                   (drafter)
+              record    CycleRecord; policy.observe
+
+:func:`tree_speculative_decoding` has the signature of transformers'
+``GenerationMixin._assisted_decoding``; :mod:`specfit_hf.generation.hf_integration`
+routes ``generate`` here when the generation config is a ``SpecFitConfig``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..features import capture_hidden_states
+from ..selection.policy import CycleContext, get_policy
+from .cache import SpecFitCache
+from .candidates import TreeCandidateGenerator
+from .drafter import make_drafter
+from .verify import accept, verify_forward
+
+__all__ = ["CycleRecord", "SpecFitGenerateOutput", "tree_speculative_decoding"]
+
+
+@dataclass
+class CycleRecord:
+    """What one draft / select / verify cycle did and cost.
+
+    Attributes:
+        nodes_drafted: nodes in the draft tree.
+        nodes_verified: selected nodes verified with the root (root excluded).
+        tokens_accepted: draft nodes accepted (the bonus token not counted).
+        tokens_committed: tokens appended to the sequence (accepted + bonus, after any
+            truncation by max_new_tokens / eos); the accepted length tau.
+        cycle_seconds / draft_seconds / select_seconds / verify_seconds: wall time of the
+            whole cycle / the drafter / the policy / target forward + acceptance.
+        experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
+            ``None`` without a runtime.
+        expected_tokens / predicted_time: the policy's predictions for its selection
+            (``nan`` when the policy does not model them).
+    """
+
+    nodes_drafted: int
+    nodes_verified: int
+    tokens_accepted: int
+    tokens_committed: int
+    cycle_seconds: float
+    draft_seconds: float
+    select_seconds: float
+    verify_seconds: float
+    experts_loaded: int | None = None
+    expected_tokens: float = math.nan
+    predicted_time: float = math.nan
+
+
+@dataclass
+class SpecFitGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus the per-cycle records."""
+
+    cycles: list[CycleRecord] | None = None
+
+
+def _offload_runtime(model) -> Any:
+    """The offload runtime attached to ``model``, if the offload stage exists and one is attached."""
+    try:
+        from ..offload import get_runtime  # written in parallel; absent until it lands
+    except (ImportError, AttributeError):
+        return None
+    try:
+        return get_runtime(model)
+    except (AttributeError, KeyError, LookupError, ValueError):
+        return None
+
+
+def _expert_misses(runtime) -> int | None:
+    if runtime is None:
+        return None
+    try:
+        return int(runtime.stats.total.misses)
+    except AttributeError:
+        return None
+
+
+def _target_cache(model, model_kwargs: dict) -> SpecFitCache:
+    cache = model_kwargs.get("past_key_values")
+    if isinstance(cache, SpecFitCache) and cache.get_seq_length() == 0:
+        return cache
+    if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
+        # generate() prepared an empty DynamicCache; use a gatherable one of the same layout.
+        return SpecFitCache(config=model.config)
+    raise ValueError(
+        "tree speculative decoding starts from an empty cache; got a "
+        f"{type(cache).__name__} holding {cache.get_seq_length() if hasattr(cache, 'get_seq_length') else '?'} tokens"
+    )
+
+
+def _check_supported(model, input_ids, generation_config, model_kwargs, assistant_model) -> None:
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"tree speculative decoding supports batch size 1 only, got batch size {input_ids.shape[0]}"
+        )
+    if assistant_model is None:
+        raise ValueError("tree speculative decoding needs `assistant_model` (the draft model)")
+    if model.config.is_encoder_decoder:
+        raise ValueError("tree speculative decoding supports decoder-only (causal LM) targets only")
+    if not model_kwargs.get("use_cache", True):
+        raise ValueError("tree speculative decoding requires use_cache=True")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("tree speculative decoding takes input_ids, not inputs_embeds")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("tree speculative decoding does not support padded inputs (attention_mask with zeros)")
+    attn = str(getattr(model.config, "_attn_implementation", "") or "")
+    if attn.startswith("flash") or "flex" in attn:
+        raise ValueError(
+            f"tree verification needs an additive 4D attention mask; attention implementation {attn!r} "
+            "cannot take one (use 'sdpa' or 'eager')"
+        )
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("tree speculative decoding does not return attentions / hidden states")
+    if getattr(generation_config, "cache_implementation", None) in ("static", "hybrid", "sliding_window"):
+        raise ValueError("tree speculative decoding needs a dynamic cache, not a static one")
+
+
+def _concat_features(captured: dict[int, torch.Tensor], indices, rows: torch.Tensor | None) -> torch.Tensor:
+    """Requested target hidden states, concatenated on the last axis, optionally only ``rows``."""
+    feats = torch.cat([captured[int(i)] for i in indices], dim=-1)
+    if rows is not None:
+        feats = feats[:, rows.to(feats.device)]
+    return feats
+
+
+class _StopRule:
+    """max_new_tokens, eos and custom stopping criteria applied *inside* a cycle's new tokens."""
+
+    def __init__(self, generation_config, stopping_criteria: StoppingCriteriaList) -> None:
+        self.max_length = int(generation_config.max_length)
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos = set() if eos is None else set(eos.reshape(-1).tolist())
+        self.criteria = stopping_criteria
+        # MaxLength / eos are handled by truncation; others (stop strings, user criteria)
+        # must see every prefix, so they are checked token by token.
+        self.per_token = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria))]
+
+    def truncate(self, sequence: torch.LongTensor, new_tokens: list[int]) -> tuple[list[int], bool]:
+        """Tokens to append and whether generation ends after them."""
+        budget = self.max_length - sequence.shape[1]
+        stop = False
+        if len(new_tokens) >= budget:
+            new_tokens, stop = new_tokens[: max(budget, 0)], True
+        for i, tok in enumerate(new_tokens):
+            if tok in self.eos:
+                new_tokens, stop = new_tokens[: i + 1], True
+                break
+        if self.per_token and new_tokens:
+            ext = torch.cat([sequence, torch.tensor([new_tokens], device=sequence.device)], dim=1)
+            base = sequence.shape[1]
+            for i in range(len(new_tokens)):
+                if bool(StoppingCriteriaList(self.per_token)(ext[:, : base + i + 1], None).any()):
+                    new_tokens, stop = new_tokens[: i + 1], True
+                    break
+        return new_tokens, stop
+
+    def done(self, sequence: torch.LongTensor, scores) -> bool:
+        return bool(self.criteria(sequence, scores).any())
+
+
+@torch.no_grad()
+def tree_speculative_decoding(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor: torch.Tensor | None = None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs,
+) -> SpecFitGenerateOutput | torch.LongTensor:
+    """Tree speculative decoding (``generate`` with a ``SpecFitConfig`` and an ``assistant_model``)."""
+    if synced_gpus:
+        raise ValueError("tree speculative decoding does not support synced_gpus")
+    if assistant_tokenizer is not None:
+        raise ValueError("tree speculative decoding needs a draft sharing the target's tokenizer")
+    _check_supported(model, input_ids, generation_config, model_kwargs, assistant_model)
+    config = generation_config
+    do_sample = bool(config.do_sample)
+    return_dict = bool(config.return_dict_in_generate)
+    keep_scores = return_dict and bool(config.output_scores or config.output_logits)
+    scores: list[torch.Tensor] = []
+    raw_logits: list[torch.Tensor] = []
+    stop_rule = _StopRule(config, stopping_criteria)
+
+    # Set up the stages of the cycle.
+    cache = _target_cache(model, model_kwargs)
+    runtime = _offload_runtime(model)
+    drafter = make_drafter(assistant_model, model, config)
+    feature_indices = drafter.target_feature_indices
+    policy = get_policy(config.policy, config)
+    ctx = CycleContext(target=model, runtime=runtime, config=config, extras={"drafter": drafter})
+    mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype)
+    records: list[CycleRecord] = []
+
+    # Prefill: the target reads the prompt and produces the first token (the first root).
+    sequence = input_ids
+    prompt_len = input_ids.shape[1]
+    positions = torch.arange(prompt_len, device=model.device)[None]
+    with _maybe_capture(model, feature_indices) as captured:
+        out = model(
+            input_ids=input_ids.to(model.device),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        prompt_features = _concat_features(captured, feature_indices, None) if feature_indices else None
+    first_logits = out.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
+    first_scores = logits_processor(sequence, first_logits.clone()) if len(logits_processor) else first_logits
+    if do_sample:
+        first = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[0]
+    else:
+        first = first_scores.argmax(dim=-1)
+    if keep_scores:
+        scores.append(first_scores)
+        raw_logits.append(first_logits)
+    sequence = torch.cat([sequence, first[None].to(sequence.device)], dim=1)
+    if streamer is not None:
+        streamer.put(first.cpu())
+    finished = stop_rule.done(sequence, None)
+
+    if not finished:
+        drafter.start(input_ids, prompt_features)
+        ctx.prefix_len = cache.get_seq_length()
+        policy.reset(ctx)
+
+    while not finished:
+        cycle_start = time.perf_counter()
+        misses_before = _expert_misses(runtime)
+        prefix_len = cache.get_seq_length()
+        root = int(sequence[0, -1])
+
+        # Draft and select.
+        candidates = candidate_generator.propose(root, prefix_len)
+
+        # Verify and accept.
+        verify_start = time.perf_counter()
+        with _maybe_capture(model, feature_indices) as captured:
+            logits = verify_forward(model, cache, candidates)
+            block_features = _concat_features(captured, feature_indices, None) if feature_indices else None
+        accepted = accept(
+            logits.to(input_ids.device), candidates, sequence, logits_processor, do_sample, keep_scores=keep_scores
+        )
+        result = accepted.result
+        verify_s = time.perf_counter() - verify_start
+
+        # Stop inside the tree: max_new_tokens, eos, stopping criteria.
+        new_tokens, finished = stop_rule.truncate(sequence, result.new_tokens)
+        sequence = torch.cat([sequence, torch.tensor([new_tokens], dtype=sequence.dtype, device=sequence.device)], 1)
+        if streamer is not None:
+            streamer.put(torch.tensor([new_tokens]))
+        if keep_scores:
+            scores.extend(accepted.scores[: len(new_tokens)])
+            raw_logits.extend(accepted.raw_logits[: len(new_tokens)])
+        finished = finished or stop_rule.done(sequence, None)
+
+        # Commit: both caches keep the root and the accepted path.  The target cache
+        # always does (a returned cache then holds exactly sequence[:-1]); the drafter
+        # only while generation goes on.
+        cache.keep_prefix_and(prefix_len, result.accepted_positions[: len(new_tokens)])
+        if not finished:
+            rows = torch.tensor(result.accepted_positions, dtype=torch.long)
+            commit_features = block_features[:, rows.to(block_features.device)] if block_features is not None else None
+            candidate_generator.commit(candidates, result, commit_features)
+
+        misses_after = _expert_misses(runtime)
+        record = CycleRecord(
+            nodes_drafted=len(candidates.tree),
+            nodes_verified=candidates.num_nodes,
+            tokens_accepted=len(result.accepted),
+            tokens_committed=len(new_tokens),
+            cycle_seconds=time.perf_counter() - cycle_start,
+            draft_seconds=candidates.draft_seconds,
+            select_seconds=candidates.select_seconds,
+            verify_seconds=verify_s,
+            experts_loaded=None if misses_before is None or misses_after is None else misses_after - misses_before,
+            expected_tokens=float(candidates.selection.expected_tokens),
+            predicted_time=float(candidates.selection.predicted_time),
+        )
+        records.append(record)
+        candidate_generator.observe(candidates, result, record)
+
+    if streamer is not None:
+        streamer.end()
+    if not return_dict:
+        return sequence
+    return SpecFitGenerateOutput(
+        sequences=sequence,
+        scores=tuple(scores) if config.output_scores else None,
+        logits=tuple(raw_logits) if config.output_logits else None,
+        past_key_values=cache,
+        cycles=records,
+    )
+
+
+class _NoCapture:
+    def __enter__(self):
+        return {}
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _maybe_capture(model, indices):
+    """``capture_hidden_states`` when the drafter wants target features, else a no-op context."""
+    return capture_hidden_states(model, indices) if indices else _NoCapture()

@@ -1,0 +1,69 @@
+"""Tree attention masks: the one place where parent arrays become attention masks.
+
+A block of ``n`` tokens laid out as a forest (``parents[i]`` is the in-block index of
+token ``i``'s parent, ``-1`` when it hangs directly off the cached prefix) is run in one
+forward over a cache holding ``prefix_len`` tokens.  Token ``i`` may attend to the whole
+prefix, to itself and to its in-block ancestors, and to nothing else.
+
+Masks are *additive float* masks (0 = visible, ``finfo.min`` = hidden) of shape
+``[1, 1, n, prefix_len + n]``: transformers uses a 4D mask as-is, and with eager
+attention a boolean 4D mask would silently give wrong logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ancestor_matrix", "tree_attention_mask", "block_depths"]
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """``[n, n]`` bool: ``out[i, j]`` is True when ``j`` is ``i`` or one of its ancestors.
+
+    Parents must precede children (``parents[i] < i``).  Runs one vectorised step per
+    tree level; ``max_depth`` (the deepest chain length) saves the loop's end test.
+    """
+    parents = parents.reshape(-1).to(torch.long)
+    n = parents.numel()
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    if n == 0:
+        return anc
+    rows = torch.arange(n, device=parents.device)
+    cur = parents.clone()
+    steps = n if max_depth is None else max_depth
+    for _ in range(steps):
+        valid = cur >= 0
+        if max_depth is None and not bool(valid.any()):
+            break
+        anc[rows[valid], cur[valid]] = True
+        cur = torch.where(valid, parents[cur.clamp(min=0)], cur)
+    return anc
+
+
+def block_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each block token below the prefix (tokens with parent ``-1`` have depth 0)."""
+    return ancestor_matrix(parents).sum(dim=1) - 1
+
+
+def tree_attention_mask(
+    parents: torch.Tensor,
+    prefix_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    max_depth: int | None = None,
+) -> torch.Tensor:
+    """Additive ``[1, 1, n, prefix_len + n]`` mask for a block of ``n`` tree tokens.
+
+    Args:
+        parents: ``[n]`` in-block parent index of each token, ``-1`` for block roots.
+        prefix_len: tokens already in the KV cache (all visible to every block token).
+        dtype: the attention computation dtype (the model's dtype).
+        device: where to build the mask (defaults to ``parents.device``).
+        max_depth: optional bound on the chain length inside the block.
+    """
+    device = parents.device if device is None else torch.device(device)
+    anc = ancestor_matrix(parents.to(device), max_depth=max_depth)
+    n = anc.shape[0]
+    mask = torch.zeros((1, 1, n, prefix_len + n), dtype=dtype, device=device)
+    mask[0, 0, :, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
+    return mask
