@@ -1,0 +1,532 @@
+"""Run a transformers MoE causal LM with its routed experts in host memory.
+
+``offload_experts(model, ...)`` keeps every non-expert weight on ``device`` and replaces each
+MoE layer's fused expert parameters with a small per-layer cache of *slots* on ``device``
+(``[num_slots, ...]`` tensors).  The full expert weights stay in host memory (pinned on
+CUDA).  An accelerate ``ModelHook`` on each experts module intercepts the call
+``experts(hidden, top_k_index, top_k_weights)``:
+
+1. ``pre_forward``: the distinct experts routed in this forward are looked up in the layer's
+   ``ExpertCache``; misses are copied host→device into free or evicted slots (never evicting
+   an expert this forward still needs), and ``top_k_index`` is remapped from expert ids to
+   slot ids.
+2. the experts compute runs on the slot tensors with the remapped ids: the model's own
+   experts forward (any ``experts_implementation``), or on CUDA the fused Triton kernel
+   ``specfit_hf.fused_experts`` when it is importable (see ``_experts_compute``).
+3. if one forward routes to more distinct experts than there are slots, the experts are
+   processed in *waves* of at most ``num_slots`` (resident experts first), each wave on the
+   token rows that use it; ``post_forward`` adds the waves' partial sums together.
+
+Transfers: on CUDA, copies from pinned host memory on a dedicated copy stream, ordered after
+the compute already queued (an evicted slot may still be read) and before the compute that
+needs them, via an event.  Evicted experts are never copied back (host has the master copy).
+On CPU, a copy into the slot, optionally slowed to an ``EmulatedLink``'s speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from torch import nn
+
+from specfit_hf.features import decoder_layers
+
+from .adapters import MoEAdapter, adapter_for
+from .cache import POLICIES, ExpertCache
+from .link import EmulatedLink
+from .stats import OffloadStats, TransferStats
+
+__all__ = ["OffloadRuntime", "offload_experts", "get_runtime"]
+
+_RUNTIME_ATTR = "_specfit_offload_runtime"
+
+
+def get_runtime(model: nn.Module) -> Optional["OffloadRuntime"]:
+    """The ``OffloadRuntime`` attached to ``model`` by ``offload_experts``, or None."""
+    return getattr(model, _RUNTIME_ATTR, None)
+
+
+def _find_fused_experts() -> Optional[Callable]:
+    """``specfit_hf.fused_experts`` if the Triton kernel package is there, else None."""
+    import specfit_hf
+
+    fn = getattr(specfit_hf, "fused_experts", None)
+    if fn is None:
+        try:
+            from specfit_kernels import fused_experts as fn  # type: ignore[attr-defined]
+        except ImportError:
+            fn = None
+    return fn
+
+
+class _MoELayer:
+    """Everything the runtime keeps for one MoE decoder layer."""
+
+    def __init__(self, layer_idx: int, block: nn.Module, experts: nn.Module, router: nn.Module,
+                 param_names: tuple[str, ...], cache: ExpertCache) -> None:
+        self.layer_idx = layer_idx
+        self.block = block
+        self.experts = experts
+        self.router = router
+        self.param_names = param_names
+        self.cache = cache
+        self.stats = TransferStats()
+        self.original_params: dict[str, nn.Parameter] = {}  # the model's own parameters (host)
+        self.original_num_experts: int = experts.num_experts
+        self.had_instance_forward = "forward" in experts.__dict__
+        self.host: dict[str, torch.Tensor] = {}  # [E, ...] master copies in host memory
+        self.slots: dict[str, torch.Tensor] = {}  # [S, ...] device cache
+        self.torch_forward: Optional[Callable] = None  # the model's experts forward
+        self.fused_experts: Optional[Callable] = None
+        self.fused_kwargs: dict = {}
+        self.last_routing: Optional[torch.Tensor] = None
+        # Set by a multi-wave pre_forward for post_forward: (partial output [T, H], rows of the last wave).
+        self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """The routed-experts math on the slot tensors, ``slot_ids`` indexing slots.
+
+    The single place where the fused kernel is wired in; everything else is residency.
+    """
+    if layer.fused_experts is not None:
+        return layer.fused_experts(hidden, layer.slots["gate_up_proj"], layer.slots["down_proj"], slot_ids, weights,
+                                   **layer.fused_kwargs)
+    return layer.torch_forward(hidden, slot_ids, weights)
+
+
+def _split_experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden, top_k_index, top_k_weights) from an experts call, positional or keyword."""
+    values = list(args)
+    names = (("hidden_states",), ("top_k_index", "router_indices"), ("top_k_weights", "routing_weights"))
+    for aliases in names[len(values):]:
+        for name in aliases:
+            if name in kwargs:
+                values.append(kwargs[name])
+                break
+        else:
+            raise TypeError(f"offloaded experts called without {aliases[0]}")
+    return values[0], values[1], values[2]
+
+
+class _OffloadHook(ModelHook):
+    """accelerate hook on one experts module: residency before, wave sums after."""
+
+    def __init__(self, runtime: "OffloadRuntime", layer: _MoELayer) -> None:
+        self.runtime = runtime
+        self.layer = layer
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        # module._old_forward is the model's experts forward (bound, reads module params, which
+        # are now the slot tensors).  The hook calls _experts_compute instead, which uses it
+        # or the fused kernel.
+        self.layer.torch_forward = module._old_forward
+        module._old_forward = functools.partial(_experts_compute, self.layer)
+        return module
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        hidden, top_k_index, top_k_weights = _split_experts_args(args, kwargs)
+        return self.runtime._prepare(self.layer, hidden, top_k_index, top_k_weights), {}
+
+    def post_forward(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+        pending = self.layer.pending
+        if pending is None:
+            return output
+        self.layer.pending = None
+        partial, rows = pending
+        return partial.index_add_(0, rows, output.to(partial.dtype))
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        module._old_forward = self.layer.torch_forward
+        return module
+
+
+class OffloadRuntime:
+    """Handle on a model whose routed experts live in host memory; see ``offload_experts``.
+
+    Layer indices everywhere are decoder-layer indices (``model.model.layers[i]``).
+    """
+
+    def __init__(self, model: nn.Module, adapter: MoEAdapter, device: torch.device, slots_per_layer: int,
+                 policy: str, link: Optional[EmulatedLink], layers: list[_MoELayer], num_experts: int,
+                 top_k: int, expert_bytes: int, original_device: torch.device) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.device = device
+        self.slots_per_layer = slots_per_layer
+        self.policy = policy
+        self.link = link
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.expert_bytes = expert_bytes
+        self.persistent = True
+        self._layers = {layer.layer_idx: layer for layer in layers}
+        self._first_layer = layers[0]
+        self._stats = OffloadStats(layers={layer.layer_idx: layer.stats for layer in layers})
+        self._tick = 0
+        self._original_device = original_device
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending_events: list[tuple[TransferStats, torch.cuda.Event, torch.cuda.Event]] = []
+        self._attached = True
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def moe_layers(self) -> list[int]:
+        """Decoder-layer indices that have routed experts, in order."""
+        return list(self._layers)
+
+    @property
+    def uses_fused_kernel(self) -> bool:
+        return self._first_layer.fused_experts is not None
+
+    @property
+    def stats(self) -> OffloadStats:
+        """Per-layer and total counters.  On CUDA this first waits for queued copies to time them."""
+        self._collect_transfer_times()
+        return self._stats
+
+    def reset_stats(self) -> None:
+        self._collect_transfer_times()
+        self._stats.reset()
+
+    def cached_experts(self, layer_idx: int) -> set[int]:
+        """Experts resident in the device cache of that layer now."""
+        return self._layer(layer_idx).cache.resident()
+
+    def last_routing(self, layer_idx: int) -> Optional[torch.Tensor]:
+        """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
+        return self._layer(layer_idx).last_routing
+
+    @torch.no_grad()
+    def route(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Top-k expert ids [T, k] that layer's real router picks for ``hidden`` [T, H].
+
+        ``hidden`` is what the router sees (the post-attention-norm hidden state).  Runs the
+        model's own router module, so DeepSeek-V3's biased group-limited routing and GPT-OSS's
+        biased router are reproduced exactly.  Touches neither the cache nor the stats.
+        """
+        router = self._layer(layer_idx).router
+        weight = router.weight
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(device=weight.device, dtype=weight.dtype)
+        return router(flat)[2]
+
+    def flush(self) -> None:
+        """Drop every resident expert of every layer: the next use of any expert misses."""
+        for layer in self._layers.values():
+            layer.cache.flush()
+
+    def detach(self) -> None:
+        """Undo ``offload_experts``: the model's own expert parameters, forward and device come back."""
+        if not self._attached:
+            raise RuntimeError("this OffloadRuntime is already detached")
+        self._collect_transfer_times()
+        _restore(self.model, list(self._layers.values()), self._original_device, self.device)
+        self._attached = False
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadRuntime({self.adapter.model_type}, moe_layers={len(self._layers)}, experts={self.num_experts}, "
+            f"top_k={self.top_k}, slots_per_layer={self.slots_per_layer}, policy={self.policy!r}, "
+            f"device={self.device}, link={self.link}, fused_kernel={self.uses_fused_kernel})"
+        )
+
+    # ------------------------------------------------------------------ hot path
+    def _layer(self, layer_idx: int) -> _MoELayer:
+        try:
+            return self._layers[layer_idx]
+        except KeyError:
+            raise ValueError(f"layer {layer_idx} has no routed experts; MoE layers are {self.moe_layers}") from None
+
+    def _prepare(self, layer: _MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Make this forward's experts resident; return the experts call's args with slot ids."""
+        if not self.persistent and layer is self._first_layer:
+            self.flush()
+        layer.last_routing = top_k_index
+        self._tick += 1
+        tick = self._tick
+        cache = layer.cache
+        uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
+        needed = uniq.numpy() if uniq.device.type == "cpu" else uniq.cpu().numpy()
+        num_needed = len(needed)
+        layer.stats.forwards += 1
+        self._stats.total.forwards += 1
+
+        if num_needed <= cache.num_slots:
+            slots, load_experts, load_slots = cache.assign(needed, tick)
+            self._count(layer, num_needed - len(load_experts), len(load_experts))
+            if len(load_experts):
+                self._load(layer, load_experts, load_slots)
+            slot_map = torch.from_numpy(slots).to(inverse.device, non_blocking=True)
+            return hidden, slot_map[inverse], top_k_weights
+
+        # More distinct experts than slots: waves of at most num_slots experts, the resident
+        # ones first (so no resident expert is evicted before it is used).
+        layer.stats.multi_wave_forwards += 1
+        self._stats.total.multi_wave_forwards += 1
+        resident = cache.slot_of[needed] >= 0
+        order = np.concatenate([np.flatnonzero(resident), np.flatnonzero(~resident)])
+        self._count(layer, int(resident.sum()), int(num_needed - resident.sum()))
+        partial = torch.zeros_like(hidden)
+        waves = [order[i:i + cache.num_slots] for i in range(0, num_needed, cache.num_slots)]
+        for wave_no, positions in enumerate(waves):
+            slots, load_experts, load_slots = cache.assign(needed[positions], tick)
+            if len(load_experts):
+                self._load(layer, load_experts, load_slots)
+            # Per distinct expert (position in uniq): its slot if in this wave, else -1.
+            wave_slot = np.full(num_needed, -1, dtype=np.int64)
+            wave_slot[positions] = slots
+            pair_slot = torch.from_numpy(wave_slot).to(inverse.device)[inverse]  # [T, k]
+            in_wave = pair_slot >= 0
+            rows = in_wave.any(dim=-1).nonzero().squeeze(1)
+            # Pairs of other waves get weight 0 on some slot of this wave (their result is 0 * finite).
+            ids = torch.where(in_wave, pair_slot, int(slots[0]))[rows]
+            weights = top_k_weights.masked_fill(~in_wave, 0)[rows]
+            if wave_no == len(waves) - 1:
+                layer.pending = (partial, rows)
+                return hidden[rows], ids, weights
+            out = _experts_compute(layer, hidden[rows], ids, weights)
+            partial.index_add_(0, rows, out.to(partial.dtype))
+        raise AssertionError("unreachable")
+
+    def _count(self, layer: _MoELayer, hits: int, misses: int) -> None:
+        total = self._stats.total
+        layer.stats.hits += hits
+        total.hits += hits
+        if misses:
+            nbytes = misses * self.expert_bytes
+            layer.stats.misses += misses
+            layer.stats.bytes_h2d += nbytes
+            total.misses += misses
+            total.bytes_h2d += nbytes
+
+    def _load(self, layer: _MoELayer, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Copy ``experts`` (host) into ``slots`` (device)."""
+        names = layer.param_names
+        pairs_per_expert = [
+            [(layer.slots[name][s], layer.host[name][e]) for name in names]
+            for e, s in zip(experts.tolist(), slots.tolist())
+        ]
+        if self.link is not None:
+            seconds = sum(self.link.copy(pairs, self.expert_bytes) for pairs in pairs_per_expert)
+            self._add_seconds(layer.stats, seconds)
+        elif self._copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            copy = self._copy_stream
+            # The evicted slots may still be read by compute already queued: copy after it.
+            copy.wait_stream(compute)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(copy):
+                start.record(copy)
+                for pairs in pairs_per_expert:
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                end.record(copy)
+            compute.wait_event(end)
+            self._pending_events.append((layer.stats, start, end))
+        else:
+            start_time = time.perf_counter()
+            with torch.no_grad():
+                for pairs in pairs_per_expert:
+                    for dst, src in pairs:
+                        dst.copy_(src)
+            self._add_seconds(layer.stats, time.perf_counter() - start_time)
+
+    def _add_seconds(self, layer_stats: TransferStats, seconds: float) -> None:
+        layer_stats.transfer_seconds += seconds
+        self._stats.total.transfer_seconds += seconds
+
+    def _collect_transfer_times(self) -> None:
+        pending, self._pending_events = self._pending_events, []
+        for layer_stats, start, end in pending:
+            end.synchronize()
+            self._add_seconds(layer_stats, start.elapsed_time(end) / 1e3)
+
+
+# ---------------------------------------------------------------------- setup / teardown
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
+    if len(devices) != 1:
+        raise ValueError(
+            f"offload_experts needs a model loaded on one device (no device_map dispatch); found {sorted(map(str, devices))}"
+        )
+    (device,) = devices
+    if device.type == "meta":
+        raise ValueError("offload_experts needs materialised weights; the model is on the meta device")
+    return device
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} requested but CUDA is not available; use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"offload_experts supports device 'cuda' or 'cpu', got {str(device)!r}")
+    return device
+
+
+def _restore(model: nn.Module, layers: list[_MoELayer], original_device: torch.device,
+             device: torch.device) -> None:
+    """Put back what ``offload_experts`` changed (works on a partly applied offload too)."""
+    for layer in layers:
+        experts = layer.experts
+        if getattr(experts, "_hf_hook", None) is not None and isinstance(experts._hf_hook, _OffloadHook):
+            remove_hook_from_module(experts)
+            if not layer.had_instance_forward:
+                experts.__dict__.pop("forward", None)
+        for name, param in layer.original_params.items():
+            if param.device != original_device:  # its data went to pinned host memory
+                param.data = param.data.to(original_device)
+            experts._parameters[name] = param
+        experts.num_experts = layer.original_num_experts
+        layer.slots.clear()
+    if getattr(model, _RUNTIME_ATTR, None) is not None:
+        delattr(model, _RUNTIME_ATTR)
+    if device != original_device:
+        model.to(original_device)
+
+
+def offload_experts(
+    model: nn.Module,
+    device: str | torch.device = "cuda",
+    slots_per_layer: Optional[int] = None,
+    cache_fraction: Optional[float] = None,
+    policy: str = "lru",
+    link: Optional[EmulatedLink] = None,
+    use_fused_kernel: Optional[bool] = None,
+) -> OffloadRuntime:
+    """Keep ``model``'s routed experts in host memory with a per-layer device cache.
+
+    Args:
+        model: a transformers MoE causal LM (model types in ``SUPPORTED_MODEL_TYPES``),
+            loaded the normal way on one device.
+        device: where non-expert weights and the expert cache slots live ("cuda" or "cpu").
+        slots_per_layer: device slots per MoE layer (>= the model's top-k; capped at the
+            number of experts).  Give this or ``cache_fraction``.
+        cache_fraction: slots as a fraction of the experts per layer, in (0, 1].
+        policy: eviction policy, "lru" or "lfu" (see ``specfit_hf.offload.cache``).
+        link: an ``EmulatedLink`` to slow host→device copies to a modelled link (used on CPU
+            to emulate PCIe); None copies as fast as the machine does.
+        use_fused_kernel: compute experts with ``specfit_hf.fused_experts`` (the Triton
+            kernel on CUDA, its torch reference on CPU).  None (default): on CUDA when it is
+            importable and implements the layout, never on CPU; False: always the model's
+            own experts forward; True: require it (any device).
+
+    Returns the ``OffloadRuntime`` (also ``get_runtime(model)``); ``runtime.detach()`` undoes
+    everything.  Raises ``ValueError`` for unsupported models or bad arguments, before
+    anything is changed.
+    """
+    # ---- validate everything first: nothing is touched until all checks pass
+    adapter = adapter_for(model)
+    if get_runtime(model) is not None:
+        raise ValueError("model already has offloaded experts; call get_runtime(model).detach() first")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    if link is not None and not isinstance(link, EmulatedLink):
+        raise TypeError(f"link must be an EmulatedLink or None, got {type(link).__name__}")
+    target = _resolve_device(device)
+    original_device = _model_device(model)
+
+    found = []
+    for idx, decoder_layer in enumerate(decoder_layers(model)):
+        block = adapter.moe_block(decoder_layer)
+        if block is not None:
+            found.append((idx, block, adapter.experts(block), adapter.router(block)))
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no MoE layers with routed experts")
+    first_experts, first_router = found[0][2], found[0][3]
+    num_experts = int(first_experts.gate_up_proj.shape[0])
+    top_k = int(first_router.top_k)
+    for idx, _, experts, router in found:
+        if getattr(experts, "_hf_hook", None) is not None:
+            raise ValueError(f"layer {idx} experts already carry an accelerate hook (device_map dispatch?)")
+        for name in adapter.expert_params:
+            param = getattr(experts, name, None)
+            if not isinstance(param, nn.Parameter) or param.shape[0] != num_experts:
+                raise ValueError(f"layer {idx}: expected experts.{name} with leading dim {num_experts}")
+        if int(router.top_k) != top_k:
+            raise ValueError(f"layer {idx}: top_k {router.top_k} differs from the first MoE layer's {top_k}")
+
+    if (slots_per_layer is None) == (cache_fraction is None):
+        raise ValueError("give exactly one of slots_per_layer or cache_fraction")
+    if cache_fraction is not None:
+        if not (isinstance(cache_fraction, (int, float)) and 0 < cache_fraction <= 1):
+            raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction}")
+        slots = max(1, int(round(cache_fraction * num_experts)))
+        if slots < top_k:
+            raise ValueError(
+                f"cache_fraction={cache_fraction} gives {slots} slots per layer, fewer than the "
+                f"{top_k} experts each token uses (num_experts_per_tok)"
+            )
+    else:
+        slots = int(slots_per_layer)
+        if slots != slots_per_layer or slots < top_k:
+            raise ValueError(
+                f"slots_per_layer must be an integer >= num_experts_per_tok ({top_k}), got {slots_per_layer}"
+            )
+        slots = min(slots, num_experts)
+
+    fused = None
+    if use_fused_kernel or (use_fused_kernel is None and target.type == "cuda"):
+        fused = _find_fused_experts()
+        if fused is None and use_fused_kernel:
+            raise ValueError("use_fused_kernel=True but specfit_hf.fused_experts is not importable")
+        probe = adapter.fused_kwargs(first_experts, {name: None for name in adapter.expert_params}, model.config)
+        if probe is None:
+            if use_fused_kernel:
+                raise ValueError(f"the fused kernel does not implement this model's experts "
+                                 f"(hidden_act={getattr(model.config, 'hidden_act', None)!r})")
+            fused = None
+
+    # ---- apply; on any failure put everything back
+    layers = [
+        _MoELayer(idx, block, experts, router, adapter.expert_params, ExpertCache(num_experts, slots, policy))
+        for idx, block, experts, router in found
+    ]
+    try:
+        expert_bytes = 0
+        for layer in layers:
+            experts = layer.experts
+            for name in adapter.expert_params:
+                param = experts._parameters[name]
+                layer.original_params[name] = param
+                host = param.data
+                if target.type == "cuda":
+                    # Master copy in pinned host memory, so copies are async DMA on the copy engine.
+                    host = host.to("cpu").pin_memory()
+                    param.data = host
+                layer.host[name] = host
+                slot_shape = (slots,) + tuple(host.shape[1:])
+                slot = torch.zeros(slot_shape, dtype=host.dtype, device=target)
+                experts._parameters[name] = nn.Parameter(slot, requires_grad=False)
+                if layer is layers[0]:
+                    expert_bytes += host[0].numel() * host.element_size()
+            experts.num_experts = slots  # the experts forward now indexes slots
+        if target != original_device:
+            model.to(target)
+        for layer in layers:
+            # model.to may have replaced tensors: read the slot tensors after it.
+            layer.slots = {name: layer.experts._parameters[name].data for name in adapter.expert_params}
+            if fused is not None:
+                layer.fused_experts = fused
+                layer.fused_kwargs = adapter.fused_kwargs(layer.experts, layer.slots, model.config)
+        runtime = OffloadRuntime(model, adapter, target, slots, policy, link, layers, num_experts, top_k,
+                                 expert_bytes, original_device)
+        for layer in layers:
+            add_hook_to_module(layer.experts, _OffloadHook(runtime, layer))
+        setattr(model, _RUNTIME_ATTR, runtime)
+    except BaseException:
+        _restore(model, layers, original_device, target)
+        raise
+    return runtime
+
