@@ -5,3 +5,13 @@ passed to ``generate``.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `specfit_hf.fused_experts` pulls in specfit_kernels (and triton only on a Triton call)
+    # on first use, so importing specfit_hf stays cheap.
+    if name == "fused_experts":
+        from .fused_experts import fused_experts
+
+        return fused_experts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
