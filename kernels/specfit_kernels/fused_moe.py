@@ -358,3 +358,60 @@ def fused_experts_triton(
         ROUND_BF16=upcast, BLOCK=cfg.block_reduce, num_warps=4,
     )  # fmt: skip
     return out
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def compile_kernels(
+    dtype: torch.dtype,
+    capability: int = 90,
+    *,
+    activation: str = "silu",
+    has_bias: bool = False,
+    config: KernelConfig | None = None,
+) -> dict[str, object]:
+    """Compile the three kernels ahead of time for ``sm_<capability>`` — no GPU needed.
+
+    Runs triton's full CUDA pipeline (TTIR -> TTGIR -> LLVM IR -> PTX -> cubin with the bundled
+    ptxas) on the host, which catches lowering errors the interpreter cannot (dot shapes, layouts,
+    shared memory). Returns ``{kernel name: CompiledKernel}`` (``.asm["ptx"]``, ``.metadata.shared``).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRETED:
+        raise RuntimeError("compile_kernels needs the compiled (non-TRITON_INTERPRET) copy of this module")
+    cfg = config or default_config(dtype)
+    act_ty = "*" + _TRITON_DTYPES[dtype]
+    pointer_types = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "rows_ptr": "*fp32"}
+    scalar_types = {"alpha": "fp32", "limit": "fp32"}
+    upcast, ieee = False, dtype == torch.float32
+    constexprs = {
+        "_gate_up_act_kernel": dict(
+            HAS_BIAS=has_bias, ACTIVATION=_ACTIVATION_CODES[activation], UPCAST=upcast, IEEE_FP32=ieee,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ),
+        "_down_kernel": dict(
+            HAS_BIAS=has_bias, UPCAST=upcast, IEEE_FP32=ieee,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ),
+        "_sum_choices_kernel": dict(ROUND_BF16=False, BLOCK=cfg.block_reduce),
+    }  # fmt: skip
+    target = GPUTarget("cuda", capability, 32)
+    compiled = {}
+    for kernel in (_gate_up_act_kernel, _down_kernel, _sum_choices_kernel):
+        consts = constexprs[kernel.__name__]
+        signature = {}
+        for name in kernel.arg_names:
+            if name in consts:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = pointer_types.get(name, act_ty)
+            else:
+                signature[name] = scalar_types.get(name, "i32")
+        source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+        num_warps = 4
+        options = dict(num_warps=num_warps, num_stages=cfg.num_stages)
+        compiled[kernel.__name__] = triton.compile(source, target=target, options=options)
+    return compiled
