@@ -1,5 +1,6 @@
 """Stage 3 of the cycle: choose the draft subtree to verify."""
 
+from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree
 from .policy import (
     AutoregressivePolicy,
     CycleContext,
@@ -11,6 +12,10 @@ from .policy import (
 )
 
 __all__ = [
+    "CostModel",
+    "SearchProblem",
+    "evaluate_subtree",
+    "select_subtree",
     "AutoregressivePolicy",
     "CycleContext",
     "Eagle3Policy",

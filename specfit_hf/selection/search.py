@@ -1,0 +1,553 @@
+"""Exact throughput-optimal subtree search.
+
+Given a draft tree, choose the ancestor-closed node set ``S`` maximizing
+
+    throughput(S) = E(S) / T(S)
+    E(S) = 1 + sum_{v in S} P(v)
+    T(S) = t0 + t_token * (|S| + 1) + t_expert * |missing(S)|
+    missing(S) = { (layer, expert) used by the root or a node of S, not cached }
+
+(the root is always verified, so its missing experts are a constant part of ``T``).
+
+Method (Dinkelbach on the ratio, each step a maximum-weight closure):
+
+* For a fixed rate ``lam``, ``max_S E(S) - lam * T(S)`` is a maximum-weight closure
+  problem: node ``v`` weighs ``P(v) - lam * t_token``; every missing (layer, expert)
+  item weighs ``-lam * t_expert``; choosing a node forces its parent and its items.
+  ``lam`` is the optimum iff that maximum is 0, and any set with a positive value
+  has a strictly higher throughput than ``lam``; iterating from a good starting set
+  converges in a few steps.
+* The closure is a minimum s-t cut.  The graph is first shrunk without changing the
+  optimum: an item also used by an ancestor is charged to the ancestor only (the
+  ancestor is in every closure containing the node); items left with one user fold
+  into that user's weight; items with the same user set merge; subtrees without a
+  positive-weight node are dropped.
+* scipy's ``maximum_flow`` takes int32 capacities, so the cut is computed by
+  successive refinement: scale the (residual) capacities to 2^30, floor, max-flow,
+  subtract, repeat on the residual network.  After each round the exact float gap
+  ``cut capacity - flow value`` bounds how far the cut is from a minimum cut; we stop
+  when that gap is below ``1e-12`` tokens.  Each round shrinks the gap by about
+  ``2^30 / |cut|``, so two or three rounds reach float precision.  The returned
+  figures are always evaluated exactly from the chosen set.
+
+Without expert information (``node_experts is None``) the closure is a tree and a
+linear-time dynamic program solves it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
+import torch
+
+from ..tree import Selection
+
+__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "SearchProblem"]
+
+_INT_SCALE = float(2**30 - 1)  # flow values stay below int32 max
+_GAP_TOL = 1e-12  # tokens: stop refining the cut once it is this close to optimal
+_MAX_REFINE_ROUNDS = 6
+_MAX_DINKELBACH_STEPS = 100
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of one cycle: ``t0 + t_token * tokens + t_expert * missing experts``.
+
+    Attributes:
+        t0: fixed seconds per cycle (launches, drafting, sampling, python).
+        t_token: seconds per verified token (root included).
+        t_expert: seconds per expert copied host -> device (a miss of the device cache).
+    """
+
+    t0: float
+    t_token: float
+    t_expert: float
+
+    def __post_init__(self) -> None:
+        for name in ("t0", "t_token", "t_expert"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{name} must be finite and >= 0, got {value}")
+        if self.t0 + self.t_token <= 0:
+            raise ValueError("CostModel: t0 + t_token must be > 0 (a cycle verifying only the root takes time)")
+
+    def predict(self, num_tokens: int | float, num_missing_experts: int | float) -> float:
+        """Seconds for a cycle verifying ``num_tokens`` tokens (root included) with that many misses."""
+        return self.t0 + self.t_token * num_tokens + self.t_expert * num_missing_experts
+
+
+def _as_numpy(x: Any, dtype: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+class SearchProblem:
+    """One search instance, with the lambda-independent preprocessing done once.
+
+    Construct it directly to evaluate many sets (``throughput``) or run the search
+    (``solve``); :func:`select_subtree` is the one-call interface.
+    """
+
+    def __init__(
+        self,
+        parents: Any,
+        path_prob: Any,
+        node_experts: Any | None,
+        root_experts: Any | None,
+        cached: Any | None,
+        cost: CostModel,
+    ) -> None:
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"cost must be a CostModel, got {type(cost).__name__}")
+        self.cost = cost
+        parents = _as_numpy(parents, np.int64).reshape(-1)
+        p = _as_numpy(path_prob, np.float64).reshape(-1)
+        n = parents.size
+        if p.size != n:
+            raise ValueError(f"path_prob has {p.size} entries for {n} nodes")
+        if n and (np.any(parents < -1) or np.any(parents >= np.arange(n))):
+            raise ValueError("parents must satisfy -1 <= parents[v] < v (parents precede children)")
+        if not np.all(np.isfinite(p)) or np.any(p < 0):
+            raise ValueError("path_prob must be finite and >= 0")
+        self.n = n
+        self.parents = parents
+        self.p = p
+        # depth levels (parents precede children, so one pass suffices)
+        depth = np.zeros(n, dtype=np.int64)
+        for v in range(n):
+            pv = parents[v]
+            depth[v] = 1 if pv < 0 else depth[pv] + 1
+        self.depth = depth
+        self.levels = [np.nonzero(depth == d)[0] for d in range(1, int(depth.max(initial=0)) + 1)]
+        # ancestor-or-self indicator: anc[v, u] = u is v or an ancestor of v
+        anc = np.zeros((n, n), dtype=bool)
+        anc[np.arange(n), np.arange(n)] = True
+        for idx in self.levels[1:]:
+            anc[idx] |= anc[parents[idx]]
+        self.anc = anc
+        self._build_items(node_experts, root_experts, cached)
+
+    # ------------------------------------------------------------------ items
+    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+        n = self.n
+        self.root_missing = 0
+        self.num_items = 0
+        self.pair_node = np.zeros(0, dtype=np.int64)
+        self.pair_item = np.zeros(0, dtype=np.int64)
+        self.private = np.zeros(n, dtype=np.float64)
+        self.group_cost_count = np.zeros(0, dtype=np.float64)
+        self.member_node = np.zeros(0, dtype=np.int64)
+        self.member_group = np.zeros(0, dtype=np.int64)
+        if node_experts is None:
+            if root_experts is not None:
+                raise ValueError("root_experts given without node_experts")
+            return
+        ne = _as_numpy(node_experts, np.int64)
+        if ne.ndim != 3 or ne.shape[0] != n:
+            raise ValueError(f"node_experts must be [N={n}, L, k], got shape {tuple(ne.shape)}")
+        num_layers = ne.shape[1]
+        if cached is None:
+            raise ValueError("cached ([L, E] bool) is required with node_experts")
+        cached = _as_numpy(cached, bool)
+        if cached.ndim != 2 or cached.shape[0] != num_layers:
+            raise ValueError(f"cached must be [L={num_layers}, E], got shape {tuple(cached.shape)}")
+        num_experts = cached.shape[1]
+        if root_experts is None:
+            re = np.full((num_layers, 0), -1, dtype=np.int64)
+        else:
+            re = _as_numpy(root_experts, np.int64)
+            if re.ndim != 2 or re.shape[0] != num_layers:
+                raise ValueError(f"root_experts must be [L={num_layers}, k], got shape {tuple(re.shape)}")
+        if ne.size and ne.max() >= num_experts or re.size and re.max() >= num_experts:
+            raise ValueError(f"expert ids must be < E={num_experts} (negative ids mean 'none')")
+        layer_off = (np.arange(num_layers, dtype=np.int64) * num_experts)[:, None]
+        # items the root pays anyway or the cache holds cost nothing
+        costly = ~cached.reshape(-1)
+        re_ids = (re + layer_off)[re >= 0]
+        root_missing = np.zeros(num_layers * num_experts, dtype=bool)
+        root_missing[re_ids] = costly[re_ids]
+        self.root_missing = int(root_missing.sum())
+        costly[re_ids] = False
+
+        if n == 0:
+            return
+        flat = (ne + layer_off[None]).reshape(n, -1)
+        if ne.size and ne.min() < 0:
+            keep = (ne.reshape(n, -1) >= 0) & costly[np.maximum(flat, 0)]
+        else:
+            keep = costly[flat]
+        nodes, _ = np.nonzero(keep)
+        ids = flat[keep]
+        used = np.zeros(num_layers * num_experts, dtype=bool)
+        used[ids] = True
+        compact = np.cumsum(used) - 1
+        num_items = int(used.sum())
+        self.num_items = num_items
+        if num_items == 0:
+            return
+        items = compact[ids]
+        # duplicates in these pairs are harmless for evaluation (set membership only)
+        self.pair_node, self.pair_item = nodes, items
+        # slot[v, i] = the last pair writing (v, i): keeps one pair per (node, item)
+        lin = nodes * num_items + items
+        slot = np.full(n * num_items, -1, dtype=np.int32)
+        pair_ids = np.arange(nodes.size, dtype=np.int32)
+        slot[lin] = pair_ids
+        usage = (slot >= 0).reshape(n, num_items)
+
+        # charge each item to its topmost users only: an ancestor's use covers the node's
+        covered = np.zeros_like(usage)
+        for idx in self.levels[1:]:
+            par = self.parents[idx]
+            covered[idx] = covered[par] | usage[par]
+        top_pair = (slot[lin] == pair_ids) & ~covered.reshape(-1)[lin]
+        tn, ti = nodes[top_pair], items[top_pair]
+        users = np.bincount(ti, minlength=num_items)
+        self.private = np.bincount(tn[users[ti] == 1], minlength=n).astype(np.float64)
+        shared_pair = users[ti] >= 2
+        if shared_pair.any():
+            sn, si = tn[shared_pair], ti[shared_pair]
+            # items with the same user set merge into one group: key = user-set bitmask
+            words = -(-n // 64)
+            keys = np.zeros((num_items, words), dtype=np.uint64)
+            np.add.at(keys, (si, sn // 64), np.left_shift(np.uint64(1), (sn % 64).astype(np.uint64)))
+            shared = np.nonzero(users >= 2)[0]
+            keys = keys[shared]
+            if words == 1:
+                _, first, inverse, counts = np.unique(
+                    keys[:, 0], return_index=True, return_inverse=True, return_counts=True
+                )
+            else:
+                order = np.lexsort(keys.T[::-1])
+                sorted_keys = keys[order]
+                starts = np.concatenate([[True], np.any(sorted_keys[1:] != sorted_keys[:-1], axis=1)])
+                first = order[starts]
+                inverse = np.empty(shared.size, dtype=np.int64)
+                inverse[order] = np.cumsum(starts) - 1
+                counts = np.bincount(inverse)
+            group_of = np.full(num_items, -1, dtype=np.int64)
+            group_of[shared] = inverse.reshape(-1)
+            is_rep = np.zeros(num_items, dtype=bool)
+            is_rep[shared[first]] = True
+            rep = is_rep[si]
+            self.group_cost_count = counts.astype(np.float64)
+            self.member_node, self.member_group = sn[rep], group_of[si[rep]]
+
+    # ------------------------------------------------------------ evaluation
+    def figures(self, selected: np.ndarray) -> tuple[float, float]:
+        """(E(S), T(S)) for a boolean node mask ``selected`` (assumed ancestor-closed)."""
+        e = 1.0 + float(self.p[selected].sum())
+        size = int(selected.sum())
+        missing = self.root_missing
+        if self.num_items:
+            hit = np.zeros(self.num_items, dtype=bool)
+            hit[self.pair_item[selected[self.pair_node]]] = True
+            missing += int(hit.sum())
+        return e, self.cost.predict(size + 1, missing)
+
+    def throughput(self, selected: np.ndarray) -> float:
+        e, t = self.figures(selected)
+        return e / t
+
+    def is_closed(self, selected: np.ndarray) -> bool:
+        has_parent = self.parents >= 0
+        return bool(np.all(~selected[has_parent] | selected[self.parents[has_parent]]))
+
+    # ---------------------------------------------------------------- search
+    def _best_prefix(self) -> np.ndarray:
+        """Best 'top-n by path probability' set: a cheap, good starting point."""
+        n = self.n
+        # non-increasing key along paths keeps every prefix ancestor-closed
+        key = self.p.copy()
+        for idx in self.levels[1:]:
+            key[idx] = np.minimum(key[idx], key[self.parents[idx]])
+        order = np.lexsort((np.arange(n), -key))
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
+        e = 1.0 + np.concatenate([[0.0], np.cumsum(self.p[order])])
+        missing = np.full(n + 1, float(self.root_missing))
+        if self.num_items:
+            first = np.full(self.num_items, n, dtype=np.int64)
+            np.minimum.at(first, self.pair_item, rank[self.pair_node])
+            new_at = np.bincount(first, minlength=n + 1)[:n]
+            missing[1:] += np.cumsum(new_at)
+        sizes = np.arange(n + 1)
+        c = self.cost
+        thr = e / (c.t0 + c.t_token * (sizes + 1) + c.t_expert * missing)
+        best = int(np.argmax(thr))
+        selected = np.zeros(n, dtype=bool)
+        selected[order[:best]] = True
+        return selected
+
+    def _improve(self, lam: float, incumbent: np.ndarray) -> np.ndarray | None:
+        """A closed set with throughput > ``lam`` if one exists, else None.
+
+        ``lam`` is the throughput of ``incumbent``.  A set beats ``lam`` iff its closure
+        value ``G(S) = sum_S (P - lam t_token) - lam t_expert |missing(S) \\ root|``
+        exceeds ``lam * A - 1`` (``A``: the time of verifying the root alone).
+        """
+        c = self.cost
+        threshold = lam * self.cost.predict(1, self.root_missing) - 1.0
+        w = self.p - lam * (c.t_token + c.t_expert * self.private)
+        positive = w > 0
+        if not positive.any():
+            return None  # every closure value is <= 0 = G(empty) <= threshold
+        alive = self.anc[positive].any(axis=0)  # ancestors-or-self of positive nodes
+        # groups restricted to alive users; groups left with one user fold into it
+        m_alive = alive[self.member_node]
+        m_node = self.member_node[m_alive]
+        m_group = self.member_group[m_alive]
+        num_groups = self.group_cost_count.size
+        g_cost = lam * c.t_expert * self.group_cost_count
+        if num_groups and m_node.size:
+            alive_users = np.bincount(m_group, minlength=num_groups)
+            single = alive_users[m_group] == 1
+            if single.any():
+                w = w - np.bincount(m_node[single], weights=g_cost[m_group[single]], minlength=self.n)
+            multi = ~single
+            m_node, m_group = m_node[multi], m_group[multi]
+        slack = 1e-13 * (1.0 + float(np.abs(w[alive]).sum()))
+        if m_node.size == 0:
+            value, selected = self._tree_closure(w, alive)
+            return self._if_better(selected, lam)
+        # Cheap certificate first: charge every shared group's cost to its users (any
+        # split of a group's cost over its users gives a relaxation whose optimum is a
+        # tree DP and an upper bound on the true one).  Groups the incumbent touches
+        # are charged to the incumbent's users, so the bound is tight at the incumbent.
+        in_cur = incumbent[m_node] & alive[m_node]
+        cur_users = np.bincount(m_group, weights=in_cur.astype(np.float64), minlength=num_groups)
+        all_users = np.bincount(m_group, minlength=num_groups)
+        touched = cur_users[m_group] > 0
+        share = np.where(
+            touched,
+            np.where(in_cur, g_cost[m_group] / np.maximum(cur_users[m_group], 1), 0.0),
+            g_cost[m_group] / all_users[m_group],
+        )
+        relaxed_w = w - np.bincount(m_node, weights=share, minlength=self.n)
+        bound, relaxed_set = self._tree_closure(relaxed_w, alive)
+        if bound <= threshold + slack:
+            return None  # certified: no set beats the incumbent
+        better = self._if_better(relaxed_set, lam)
+        if better is not None:
+            return better
+        for selected in self._cut_closures(w, alive, m_node, m_group, g_cost):
+            better = self._if_better(selected, lam)
+            if better is not None:
+                return better
+        return None
+
+    def _if_better(self, selected: np.ndarray, lam: float) -> np.ndarray | None:
+        if selected.any() and self.throughput(selected) > lam:
+            return selected
+        return None
+
+    def _tree_closure(self, w: np.ndarray, alive: np.ndarray) -> tuple[float, np.ndarray]:
+        """Exact maximum-weight closure of the tree alone (no shared items): bottom-up DP.
+
+        Returns (value, node mask); ties exclude nodes.
+        """
+        dp = np.where(alive, w, -np.inf)
+        for idx in reversed(self.levels[1:]):
+            np.add.at(dp, self.parents[idx], np.maximum(dp[idx], 0.0))
+        selected = np.zeros(self.n, dtype=bool)
+        if not self.levels:
+            return 0.0, selected
+        top = self.levels[0]
+        selected[top] = dp[top] > 0
+        for idx in self.levels[1:]:
+            selected[idx] = (dp[idx] > 0) & selected[self.parents[idx]]
+        return float(np.maximum(dp[top], 0.0).sum()), selected
+
+    def _cut_closures(
+        self, w: np.ndarray, alive: np.ndarray, m_node: np.ndarray, m_group: np.ndarray, g_cost_all: np.ndarray
+    ):
+        """Maximum-weight closure by a minimum s-t cut, yielded once per refinement round.
+
+        The last set yielded is a maximum closure to ~1e-12 (see the module docstring).
+        """
+        nodes = np.nonzero(alive)[0]
+        local = np.full(self.n, -1, dtype=np.int64)
+        local[nodes] = np.arange(nodes.size)
+        groups, g_local = np.unique(m_group, return_inverse=True)
+        nn, ng = nodes.size, groups.size
+        src, sink = nn + ng, nn + ng + 1
+        wn = w[nodes]
+        pos = np.maximum(wn, 0.0)
+        neg = np.maximum(-wn, 0.0)
+        g_cost = g_cost_all[groups]
+        total = float(pos.sum())
+        if total <= 0:  # folding made every weight non-positive: the empty closure is optimal
+            return
+        if float(neg.sum() + g_cost.sum()) <= 0:  # nothing costs anything: take every alive node
+            yield alive.copy()
+            return
+        bound = min(total, float(neg.sum() + g_cost.sum()))  # >= the max-flow value
+        inf = 4.0 * total + 1.0  # never saturated: no edge carries more than the total flow
+        par = self.parents[nodes]
+        tree_from = np.nonzero(par >= 0)[0]
+        has_pos = np.nonzero(pos > 0)[0]
+        has_neg = np.nonzero(neg > 0)[0]
+        has_cost = np.nonzero(g_cost > 0)[0]
+        rows = np.concatenate([tree_from, local[m_node], np.full(has_pos.size, src), has_neg, nn + has_cost])
+        cols = np.concatenate(
+            [local[par[tree_from]], nn + g_local, has_pos, np.full(has_neg.size, sink), np.full(has_cost.size, sink)]
+        )
+        caps = np.concatenate(
+            [np.full(tree_from.size + m_node.size, inf), pos[has_pos], neg[has_neg], g_cost[has_cost]]
+        )
+        for side in _min_cut_rounds(rows, cols, caps, nn + ng + 2, src, sink, bound):
+            selected = np.zeros(self.n, dtype=bool)
+            selected[nodes[side[:nn]]] = True
+            yield selected
+
+    def solve(self, warm_start: np.ndarray | None = None) -> np.ndarray:
+        """The optimal closed node mask (Dinkelbach iteration)."""
+        best = np.zeros(self.n, dtype=bool)
+        best_thr = self.throughput(best)
+        candidates = [self._best_prefix()]
+        if warm_start is not None:
+            candidates.append(warm_start)
+        for cand in candidates:
+            if self.is_closed(cand):
+                thr = self.throughput(cand)
+                if thr > best_thr:
+                    best, best_thr = cand, thr
+        if self.n == 0:
+            return best
+        for _ in range(_MAX_DINKELBACH_STEPS):
+            better = self._improve(best_thr, best)
+            if better is None:
+                return best
+            best, best_thr = better, self.throughput(better)
+        raise RuntimeError("select_subtree: Dinkelbach iteration did not converge")  # pragma: no cover
+
+
+def _min_cut_rounds(
+    rows: np.ndarray, cols: np.ndarray, caps: np.ndarray, size: int, src: int, sink: int, bound: float
+):
+    """Source sides of successively better s-t cuts; the last is minimum to ~1e-12 absolute.
+
+    ``(rows, cols, caps)`` lists the edges (no antiparallel pairs); ``bound`` must be
+    >= the max-flow value.  Each round max-flows the residual network scaled to int32
+    and floored (scipy's ``maximum_flow`` is integral), adds that flow, and measures
+    the exact remaining gap ``capacity(cut) - flow value`` of the round's cut.
+    Residual capacities above ``2 * gap`` are clipped: such an edge is never in a
+    minimum cut of a residual network whose minimum cut is at most ``gap``.
+    """
+    m = rows.size
+    # one CSR layout holding every edge and its reverse; scipy's flow comes back in it
+    both_rows = np.concatenate([rows, cols])
+    both_cols = np.concatenate([cols, rows])
+    order = sp.csr_matrix(
+        (np.arange(1, 2 * m + 1, dtype=np.float64), (both_rows, both_cols)), shape=(size, size)
+    )
+    if order.nnz != 2 * m:
+        raise AssertionError("min-cut graph has antiparallel edges")  # construction never makes them
+    perm = order.data.astype(np.int64) - 1
+    indices, indptr = order.indices, order.indptr
+    row_of = np.repeat(np.arange(size), np.diff(indptr))
+    cap = np.concatenate([caps, np.zeros(m)])[perm]
+    flow = np.zeros(2 * m)
+    gap = bound
+    for _ in range(_MAX_REFINE_ROUNDS):
+        scale = _INT_SCALE / gap
+        scaled = np.floor(np.minimum(np.maximum(cap - flow, 0.0), 2.0 * gap) * scale).astype(np.int32)
+        graph = sp.csr_matrix((scaled, indices, indptr), shape=(size, size))
+        step = maximum_flow(graph, src, sink).flow
+        if step.nnz == indices.size and np.array_equal(step.indices, indices) and np.array_equal(step.indptr, indptr):
+            step_data = step.data
+        else:  # pragma: no cover - scipy kept another layout; align by lookup
+            step_data = np.asarray(step[row_of, indices]).reshape(-1)
+        open_edges = (scaled - step_data) > 0
+        reach = sp.csr_matrix(
+            (np.ones(int(open_edges.sum()), dtype=np.int8), indices[open_edges],
+             np.concatenate([[0], np.cumsum(np.bincount(row_of[open_edges], minlength=size))])),
+            shape=(size, size),
+        )
+        side = np.zeros(size, dtype=bool)
+        side[breadth_first_order(reach, src, directed=True, return_predecessors=False)] = True
+        flow += step_data * (1.0 / scale)
+        across = side[row_of] & ~side[indices]
+        gap = float(np.maximum(cap[across] - flow[across], 0.0).sum())
+        yield side
+        if gap <= _GAP_TOL:
+            return
+
+
+def select_subtree(
+    parents: Any,
+    path_prob: Any,
+    node_experts: Any | None,
+    root_experts: Any | None,
+    cached: Any | None,
+    cost: CostModel,
+    *,
+    warm_start: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+) -> Selection:
+    """The ancestor-closed subset of draft nodes that maximizes predicted throughput.
+
+    Args:
+        parents: int ``[N]``, parent index of each node, ``-1`` for children of the root;
+            parents precede children.
+        path_prob: float ``[N]``, estimated probability that the path root -> node is accepted.
+        node_experts: int ``[N, L, k]``, predicted experts of each node at each MoE layer
+            (negative ids are ignored), or ``None`` for no expert term.
+        root_experts: int ``[L, k]``, predicted experts of the root token (always verified).
+        cached: bool ``[L, E]``, experts resident in the device cache.
+        cost: the cycle-time model.
+        warm_start: node indices of a previous solution (e.g. the previous draft level's);
+            used as a starting point when it is ancestor-closed.
+
+    Returns:
+        A :class:`~specfit_hf.tree.Selection` with sorted ``nodes`` (possibly empty: verify
+        the root alone) and its exact ``expected_tokens``, ``predicted_time`` (seconds)
+        and ``throughput`` (tokens / second).  The throughput is the maximum over all
+        ancestor-closed subsets (up to ~1e-12 relative).
+    """
+    problem = SearchProblem(parents, path_prob, node_experts, root_experts, cached, cost)
+    warm = None
+    if warm_start is not None:
+        idx = _as_numpy(warm_start, np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= problem.n):
+            raise ValueError("warm_start holds node indices outside the tree")
+        warm = np.zeros(problem.n, dtype=bool)
+        warm[idx] = True
+    selected = problem.solve(warm)
+    return _selection(problem, selected)
+
+
+def evaluate_subtree(
+    parents: Any,
+    path_prob: Any,
+    node_experts: Any | None,
+    root_experts: Any | None,
+    cached: Any | None,
+    cost: CostModel,
+    nodes: Sequence[int] | np.ndarray | torch.Tensor,
+) -> Selection:
+    """The predicted figures of a given ancestor-closed node set (no search)."""
+    problem = SearchProblem(parents, path_prob, node_experts, root_experts, cached, cost)
+    idx = _as_numpy(nodes, np.int64).reshape(-1)
+    selected = np.zeros(problem.n, dtype=bool)
+    selected[idx] = True
+    if not problem.is_closed(selected):
+        raise ValueError("nodes must be ancestor-closed")
+    return _selection(problem, selected)
+
+
+def _selection(problem: SearchProblem, selected: np.ndarray) -> Selection:
+    e, t = problem.figures(selected)
+    return Selection(
+        nodes=torch.from_numpy(np.nonzero(selected)[0].astype(np.int64)),
+        expected_tokens=e,
+        predicted_time=t,
+        throughput=e / t,
+    )
