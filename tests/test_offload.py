@@ -1,0 +1,466 @@
+"""Offloaded-expert runtime: exactness per architecture, cache accounting, API, errors.
+
+Tiny random models (2-3 layers, hidden 32, 16 experts, fp32, CPU).  The reference is the
+same model before offloading; ``detach`` must give it back unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GptOssConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    PhimoeConfig,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from specfit_hf.offload import (
+    SUPPORTED_MODEL_TYPES,
+    EmulatedLink,
+    ExpertCache,
+    TransferStats,
+    get_runtime,
+    offload_experts,
+)
+
+warnings.filterwarnings("ignore", message=".*eos_token_id.*")
+
+NUM_EXPERTS = 16
+TOP_K = 2
+VOCAB = 96
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+)
+
+
+def make_config(arch: str):
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**_COMMON, head_dim=8, moe_intermediate_size=24, num_experts=NUM_EXPERTS,
+                              num_experts_per_tok=TOP_K, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**_COMMON, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                              num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
+    if arch == "mixtral":
+        return MixtralConfig(**{**_COMMON, "intermediate_size": 24}, num_local_experts=NUM_EXPERTS,
+                             num_experts_per_tok=TOP_K)
+    if arch == "olmoe":
+        return OlmoeConfig(**{**_COMMON, "intermediate_size": 24}, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
+    if arch == "deepseek_v3":
+        return DeepseekV3Config(
+            **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=24,
+            n_routed_experts=NUM_EXPERTS, n_group=4, topk_group=2, num_experts_per_tok=TOP_K, first_k_dense_replace=1,
+            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "gpt_oss":
+        return GptOssConfig(**{**_COMMON, "intermediate_size": 24}, head_dim=8, num_local_experts=NUM_EXPERTS,
+                            num_experts_per_tok=TOP_K, sliding_window=8)
+    raise KeyError(arch)
+
+
+def build_model(arch: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        # Zero-initialised extras would hide layout bugs: make biases and DeepSeek's score
+        # correction bias random, and routers sharper so routing is decisive.
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("_proj_bias", "router.bias")):
+                tensor.normal_(0, 0.05)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.uniform_(0, 0.2)
+            elif name.endswith(("gate.weight", "router.weight")) and tensor.dim() == 2 and tensor.shape[0] == NUM_EXPERTS:
+                tensor.normal_(0, 0.5)
+    return model
+
+
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
+PROMPT = torch.tensor([[5, 17, 33, 2, 71, 9, 40, 12, 88, 3]])
+NEW_TOKENS = 32
+
+
+def _greedy(model):
+    out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per architecture: (model, prefill logits, greedy sequences, greedy logits), built once."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            model = build_model(arch)
+            with torch.no_grad():
+                logits = model(PROMPT).logits
+            cache[arch] = (model, logits, *_greedy(model))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", ["top_k", "quarter", "all"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_offloaded_logits_equal_original(reference, arch, slots, policy):
+    model, ref_logits, ref_seq, ref_gen_logits = reference(arch)
+    num_slots = {"top_k": TOP_K, "quarter": NUM_EXPERTS // 4, "all": NUM_EXPERTS}[slots]
+    runtime = offload_experts(model, device="cpu", slots_per_layer=num_slots, policy=policy)
+    try:
+        assert get_runtime(model) is runtime
+        with torch.no_grad():
+            logits = model(PROMPT).logits
+        assert (logits - ref_logits).abs().max().item() <= 1e-5
+        seq, gen_logits = _greedy(model)
+        assert torch.equal(seq, ref_seq)
+        assert (gen_logits - ref_gen_logits).abs().max().item() <= 1e-5
+
+        total = runtime.stats.total
+        # every MoE layer looked up at least top_k experts per forward (prefill x2 + 31 decode steps)
+        assert total.hits + total.misses >= TOP_K * len(runtime.moe_layers) * (2 + NEW_TOKENS - 1)
+        assert total.bytes_h2d == total.misses * runtime.expert_bytes
+        if slots == "top_k":
+            # a 10-token prefill routes to more than 2 distinct experts: the waves path ran
+            assert total.multi_wave_forwards > 0
+        if slots == "all":
+            # everything fits: each expert is loaded at most once per layer
+            assert total.misses <= NUM_EXPERTS * len(runtime.moe_layers)
+            assert total.multi_wave_forwards == 0
+    finally:
+        runtime.detach()
+    assert get_runtime(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, ref_logits)
+
+
+def test_moe_layers_and_shapes():
+    model = build_model("deepseek_v3")
+    runtime = offload_experts(model, device="cpu", slots_per_layer=4)
+    try:
+        assert runtime.moe_layers == [1, 2]  # first_k_dense_replace=1: layer 0 is dense
+        assert runtime.num_experts == NUM_EXPERTS and runtime.top_k == TOP_K
+        experts = model.model.layers[1].mlp.experts
+        assert experts.gate_up_proj.shape[0] == 4  # the module now holds the slots
+        # gate_up [2*24, 32] + down [32, 24] fp32
+        assert runtime.expert_bytes == (2 * 24 * 32 + 32 * 24) * 4
+        # shared experts and the dense layer's MLP are untouched
+        assert model.model.layers[0].mlp.gate_proj.weight.shape == (48, 32)
+        with pytest.raises(ValueError, match="no routed experts"):
+            runtime.cached_experts(0)
+    finally:
+        runtime.detach()
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == NUM_EXPERTS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_route_matches_the_models_routing(arch):
+    """route(layer, router input) reproduces the model's own top-k (biased / grouped routers too)."""
+    model = build_model(arch, seed=1)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS // 2)
+    try:
+        seen = {}
+        handles = []
+        for idx in runtime.moe_layers:
+            block = model.model.layers[idx].mlp
+            router = block.router if arch == "gpt_oss" else block.gate
+            handles.append(router.register_forward_pre_hook(
+                lambda mod, args, idx=idx: seen.__setitem__(idx, args[0].reshape(-1, args[0].shape[-1]).clone())))
+        with torch.no_grad():
+            model(PROMPT)
+        for h in handles:
+            h.remove()
+        for idx in runtime.moe_layers:
+            routed = runtime.last_routing(idx)
+            assert routed.shape == (PROMPT.shape[1], TOP_K)
+            predicted = runtime.route(idx, seen[idx])
+            assert predicted.dtype == torch.long
+            assert torch.equal(predicted.sort(-1).values, routed.sort(-1).values)
+    finally:
+        runtime.detach()
+
+
+def _router_topk_recorder(model, runtime, arch):
+    """Independent record of each MoE layer's top-k per forward, from the router modules."""
+    log: dict[int, list[set[int]]] = {idx: [] for idx in runtime.moe_layers}
+    handles = []
+    for idx in runtime.moe_layers:
+        block = model.model.layers[idx].mlp
+        router = block.router if arch == "gpt_oss" else block.gate
+        handles.append(router.register_forward_hook(
+            lambda mod, args, out, idx=idx: log[idx].append(set(out[2].flatten().tolist()))))
+    return log, handles
+
+
+def _simulate_lru(forwards: list[set[int]], num_slots: int) -> tuple[int, int, set[int]]:
+    """Reference LRU over expert sets: (hits, misses, final resident set)."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = misses = 0
+    for needed in forwards:
+        assert len(needed) <= num_slots
+        for expert in sorted(needed):  # ascending id = the runtime's tie-break
+            if expert in cache:
+                hits += 1
+                cache.move_to_end(expert)
+            else:
+                misses += 1
+                if len(cache) >= num_slots:
+                    victim = next(e for e in cache if e not in needed)
+                    del cache[victim]
+                cache[expert] = None
+    return hits, misses, set(cache)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_lru_miss_counts_match_simulation(arch):
+    model = build_model(arch, seed=2)
+    num_slots = NUM_EXPERTS // 4
+    runtime = offload_experts(model, device="cpu", slots_per_layer=num_slots, policy="lru")
+    log, handles = _router_topk_recorder(model, runtime, arch)
+    try:
+        # scripted: 2-token prefill (<= 4 distinct experts), 24 greedy decode steps, a flush,
+        # then 8 more steps from a new prompt
+        model.generate(PROMPT[:, :2], max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        before_flush = {idx: list(log[idx]) for idx in runtime.moe_layers}
+        runtime.flush()
+        assert all(runtime.cached_experts(idx) == set() for idx in runtime.moe_layers)
+        model.generate(PROMPT[:, 4:6], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        stats = runtime.stats
+        for idx in runtime.moe_layers:
+            first = before_flush[idx]
+            second = log[idx][len(first):]
+            h1, m1, _ = _simulate_lru(first, num_slots)
+            h2, m2, resident = _simulate_lru(second, num_slots)
+            assert (stats.layers[idx].hits, stats.layers[idx].misses) == (h1 + h2, m1 + m2)
+            assert runtime.cached_experts(idx) == resident
+            assert stats.layers[idx].forwards == len(first) + len(second) == 24 + 8
+        assert stats.total.misses == sum(stats.layers[i].misses for i in runtime.moe_layers)
+        assert stats.total.multi_wave_forwards == 0
+    finally:
+        for h in handles:
+            h.remove()
+        runtime.detach()
+
+
+def test_non_persistent_cache_misses_every_forward():
+    model = build_model("qwen3_moe", seed=3)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS)
+    log, handles = _router_topk_recorder(model, runtime, "qwen3_moe")
+    try:
+        runtime.persistent = False
+        model.generate(PROMPT[:, :3], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        for idx in runtime.moe_layers:
+            layer = runtime.stats.layers[idx]
+            assert layer.hits == 0
+            assert layer.misses == sum(len(s) for s in log[idx])
+        runtime.persistent = True
+        runtime.reset_stats()
+        assert runtime.stats.total == TransferStats()
+        with torch.no_grad():
+            model(PROMPT[:, :1])
+            before = runtime.stats.total.copy()
+            model(PROMPT[:, :1])  # same token, same position: same experts, all resident now
+        diff = runtime.stats.total - before
+        assert diff.misses == 0 and diff.hits == TOP_K * len(runtime.moe_layers)
+    finally:
+        for h in handles:
+            h.remove()
+        runtime.detach()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_experts_module_waves_and_shared_experts(arch):
+    """Direct experts calls: many tokens on one expert; more distinct experts than slots."""
+    model = build_model(arch, seed=4)
+    runtime_probe = None
+    layer_idx = 1 if arch == "deepseek_v3" else 0
+    experts = model.model.layers[layer_idx].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    num_tokens = 40
+    hidden = torch.randn(num_tokens, 32, generator=gen)
+    weights = torch.rand(num_tokens, TOP_K, generator=gen)
+    cases = {
+        # every token on experts 5 and 9
+        "shared": torch.tensor([[5, 9]]).repeat(num_tokens, 1),
+        # all 16 experts used, 2 slots -> 8 waves; token t uses (t % 16, (t + 7) % 16)
+        "waves": torch.stack([torch.arange(num_tokens) % 16, (torch.arange(num_tokens) + 7) % 16], 1),
+        # one token alone on expert 15, others on 0/1: an odd last wave
+        "lonely": torch.cat([torch.tensor([[15, 0]]), torch.tensor([[0, 1]]).repeat(num_tokens - 1, 1)]),
+    }
+    with torch.no_grad():
+        expected = {name: experts(hidden, idx, weights) for name, idx in cases.items()}
+    runtime_probe = offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+    try:
+        for name, idx in cases.items():
+            with torch.no_grad():
+                got = experts(hidden, idx, weights)
+            assert (got - expected[name]).abs().max().item() <= 1e-5, name
+        layer = runtime_probe.stats.layers[layer_idx]
+        assert layer.multi_wave_forwards == 2  # "waves" and "lonely"
+        # shared: 2 misses.  waves: 16 distinct, 5 and 9 resident -> 2 hits, 14 misses; waves
+        # are [5, 9], [0, 1], ..., [14, 15], so 14 and 15 stay resident.  lonely: {0, 1, 15} ->
+        # 1 hit, 2 misses, waves [15, 0] then [1], which evicts 0 (LRU tie -> smaller id).
+        assert (layer.hits, layer.misses) == (0 + 2 + 1, 2 + 14 + 2)
+        assert runtime_probe.cached_experts(layer_idx) == {1, 15}
+    finally:
+        runtime_probe.detach()
+
+
+def test_emulated_link_waits_and_counts():
+    model = build_model("qwen3_moe", seed=5)
+    link = EmulatedLink(gbps=0.5, latency_us=500.0)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K, link=link)
+    try:
+        with torch.no_grad():
+            model(PROMPT[:, :1])
+        total = runtime.stats.total
+        per_expert = runtime.expert_bytes / 0.5e9 + 500e-6
+        assert total.misses == TOP_K * len(runtime.moe_layers)
+        assert total.transfer_seconds >= total.misses * per_expert
+    finally:
+        runtime.detach()
+    src, dst = torch.randn(1000), torch.zeros(1000)
+    start = time.perf_counter()
+    took = EmulatedLink(gbps=4e-3, latency_us=200.0).copy([(dst, src)], nbytes=4000)  # 1 ms + 0.2 ms
+    assert time.perf_counter() - start >= 1.2e-3 and took >= 1.2e-3
+    assert torch.equal(dst, src)
+    with pytest.raises(ValueError):
+        EmulatedLink(gbps=0)
+
+
+def test_fused_kernel_path_on_cpu():
+    """The fused-kernel wiring, exercised through the kernel package's torch backend."""
+    pytest.importorskip("specfit_kernels")
+    for arch in ("qwen3_moe", "gpt_oss"):
+        model = build_model(arch, seed=6)
+        with torch.no_grad():
+            ref = model(PROMPT).logits
+        runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS // 4, use_fused_kernel=True)
+        try:
+            assert runtime.uses_fused_kernel
+            with torch.no_grad():
+                got = model(PROMPT).logits
+            assert (got - ref).abs().max().item() <= 1e-5, arch
+        finally:
+            runtime.detach()
+
+
+def test_lfu_evicts_least_used():
+    cache = ExpertCache(num_experts=6, num_slots=3, policy="lfu")
+    tick = 0
+    for needed in ([0, 1, 2], [0, 1], [0], [1]):
+        tick += 1
+        cache.assign(np.array(needed), tick)
+    # uses: 0 -> 3, 1 -> 3, 2 -> 1: expert 2 goes although 0 was used before 1
+    _, loads, slots = cache.assign(np.array([4]), tick + 1)
+    assert loads.tolist() == [4] and cache.resident() == {0, 1, 4}
+    lru = ExpertCache(num_experts=6, num_slots=3, policy="lru")
+    for t, needed in enumerate(([0, 1, 2], [0, 1], [0], [1]), 1):
+        lru.assign(np.array(needed), t)
+    lru.assign(np.array([4]), 5)
+    assert lru.resident() == {0, 1, 4}
+    lru.assign(np.array([5]), 6)
+    assert lru.resident() == {1, 4, 5}  # 0 (tick 3) older than 1 (tick 4)
+
+
+# ---------------------------------------------------------------------- errors
+def _untouched(model, params_before):
+    assert get_runtime(model) is None
+    for name, param in model.named_parameters():
+        assert params_before[name] is param, name
+    for module in model.modules():
+        assert not hasattr(module, "_hf_hook")
+        assert "forward" not in module.__dict__
+
+
+def test_bad_inputs_raise_and_change_nothing():
+    model = build_model("qwen3_moe", seed=7)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        ref = model(PROMPT).logits
+    bad = [
+        dict(slots_per_layer=TOP_K - 1),
+        dict(slots_per_layer=2.5),
+        dict(cache_fraction=0.0),
+        dict(cache_fraction=1.5),
+        dict(cache_fraction=-0.2),
+        dict(cache_fraction=0.05),  # 1 slot < top_k
+        dict(),  # neither
+        dict(slots_per_layer=4, cache_fraction=0.5),  # both
+        dict(slots_per_layer=4, policy="fifo"),
+        dict(slots_per_layer=4, device="mps"),
+    ]
+    for kwargs in bad:
+        kwargs.setdefault("device", "cpu")
+        with pytest.raises(ValueError):
+            offload_experts(model, **kwargs)
+        _untouched(model, params)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            offload_experts(model, device="cuda", slots_per_layer=4)
+        _untouched(model, params)
+    with pytest.raises(TypeError):
+        offload_experts(model, device="cpu", slots_per_layer=4, link=25.0)
+    _untouched(model, params)
+
+    runtime = offload_experts(model, device="cpu", cache_fraction=0.25)
+    assert runtime.slots_per_layer == 4
+    with pytest.raises(ValueError, match="already"):
+        offload_experts(model, device="cpu", slots_per_layer=4)
+    runtime.detach()
+    with pytest.raises(RuntimeError):
+        runtime.detach()
+    _untouched(model, params)
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, ref)
+
+
+def test_failure_midway_is_rolled_back(monkeypatch):
+    import specfit_hf.offload.runtime as runtime_module
+
+    model = build_model("qwen2_moe", seed=8)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        ref = model(PROMPT).logits
+    real_add_hook = runtime_module.add_hook_to_module
+    calls = []
+
+    def failing_add_hook(module, hook):
+        calls.append(module)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure on the second layer")
+        return real_add_hook(module, hook)
+
+    monkeypatch.setattr(runtime_module, "add_hook_to_module", failing_add_hook)
+    with pytest.raises(RuntimeError, match="simulated"):
+        offload_experts(model, device="cpu", slots_per_layer=4)
+    _untouched(model, params)
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, ref)
+
+
+def test_unsupported_models_name_the_supported_types():
+    dense = AutoModelForCausalLM.from_config(Qwen3Config(**_COMMON, head_dim=8))
+    with pytest.raises(ValueError) as err:
+        offload_experts(dense, device="cpu", slots_per_layer=4)
+    for model_type in SUPPORTED_MODEL_TYPES:
+        assert model_type in str(err.value)
+    other_moe = AutoModelForCausalLM.from_config(
+        PhimoeConfig(**{**_COMMON, "num_hidden_layers": 1}, num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        offload_experts(other_moe, device="cpu", slots_per_layer=4)
