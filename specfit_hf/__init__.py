@@ -15,3 +15,6 @@ def __getattr__(name: str):
 
         return fused_experts
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# Offloaded-expert runtime (stage 1).
+from .offload import EmulatedLink, OffloadRuntime, get_runtime, offload_experts  # noqa: E402

@@ -53,15 +53,11 @@ def get_runtime(model: nn.Module) -> Optional["OffloadRuntime"]:
 
 def _find_fused_experts() -> Optional[Callable]:
     """``specfit_hf.fused_experts`` if the Triton kernel package is there, else None."""
-    import specfit_hf
-
-    fn = getattr(specfit_hf, "fused_experts", None)
-    if fn is None:
-        try:
-            from specfit_kernels import fused_experts as fn  # type: ignore[attr-defined]
-        except ImportError:
-            fn = None
-    return fn
+    try:
+        from specfit_hf import fused_experts  # lazy attribute: imports specfit_kernels
+    except ImportError:
+        return None
+    return fused_experts
 
 
 class _MoELayer:
