@@ -306,6 +306,9 @@ class Eagle3DraftModel(PreTrainedModel):
         if self.embeddings_from_target and kwargs.get("state_dict") is None:
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
         super().save_pretrained(save_directory, *args, **kwargs)
+        # transformers records the Python class name; engines dispatch on the public one.
+        self.config.architectures = ["LlamaForCausalLMEagle3"]
+        self.config.save_pretrained(save_directory)
 
     def attach_target_embeddings(self, target: nn.Module) -> None:
         """Share the target's input embeddings when the checkpoint has none (no copy, no grad)."""

@@ -12,7 +12,7 @@ VOCAB = 96
 HIDDEN = 32
 
 
-def tiny_target(seed: int = 0, num_layers: int = 8) -> Qwen3MoeForCausalLM:
+def tiny_target(seed: int = 0, num_layers: int = 8, peak: float = 30.0) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
@@ -20,7 +20,12 @@ def tiny_target(seed: int = 0, num_layers: int = 8) -> Qwen3MoeForCausalLM:
         num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
         attn_implementation="eager",
     )
-    return Qwen3MoeForCausalLM(cfg).eval()
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    # Sharpen the output layer so the target's next-token distributions are peaked, as a
+    # trained model's are (a random target is nearly uniform: nothing to learn from).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peak)
+    return model
 
 
 def tiny_draft_config(**overrides) -> Eagle3Config:
