@@ -248,8 +248,15 @@ class OffloadRuntime:
         self._tick += 1
         tick = self._tick
         cache = layer.cache
-        uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
-        needed = uniq.numpy() if uniq.device.type == "cpu" else uniq.cpu().numpy()
+        on_cpu = top_k_index.device.type == "cpu"
+        if on_cpu:
+            # numpy on a few dozen ids is several times cheaper than torch.unique
+            ids = top_k_index.numpy()
+            needed = np.unique(ids)
+            inverse = None
+        else:
+            uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
+            needed = uniq.cpu().numpy()  # the one host sync per layer: residency is decided on the host
         num_needed = len(needed)
         layer.stats.forwards += 1
         self._stats.total.forwards += 1
@@ -259,11 +266,15 @@ class OffloadRuntime:
             self._count(layer, num_needed - len(load_experts), len(load_experts))
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
+            if on_cpu:
+                return hidden, torch.from_numpy(cache.slot_of[ids]), top_k_weights
             slot_map = torch.from_numpy(slots).to(inverse.device, non_blocking=True)
             return hidden, slot_map[inverse], top_k_weights
 
         # More distinct experts than slots: waves of at most num_slots experts, the resident
         # ones first (so no resident expert is evicted before it is used).
+        if on_cpu:
+            inverse = torch.from_numpy(np.searchsorted(needed, ids))  # pair -> position in needed
         layer.stats.multi_wave_forwards += 1
         self._stats.total.multi_wave_forwards += 1
         resident = cache.slot_of[needed] >= 0
@@ -275,19 +286,19 @@ class OffloadRuntime:
             slots, load_experts, load_slots = cache.assign(needed[positions], tick)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
-            # Per distinct expert (position in uniq): its slot if in this wave, else -1.
+            # Per distinct expert (position in needed): its slot if in this wave, else -1.
             wave_slot = np.full(num_needed, -1, dtype=np.int64)
             wave_slot[positions] = slots
             pair_slot = torch.from_numpy(wave_slot).to(inverse.device)[inverse]  # [T, k]
             in_wave = pair_slot >= 0
             rows = in_wave.any(dim=-1).nonzero().squeeze(1)
             # Pairs of other waves get weight 0 on some slot of this wave (their result is 0 * finite).
-            ids = torch.where(in_wave, pair_slot, int(slots[0]))[rows]
+            ids_wave = torch.where(in_wave, pair_slot, int(slots[0]))[rows]
             weights = top_k_weights.masked_fill(~in_wave, 0)[rows]
             if wave_no == len(waves) - 1:
                 layer.pending = (partial, rows)
-                return hidden[rows], ids, weights
-            out = _experts_compute(layer, hidden[rows], ids, weights)
+                return hidden[rows], ids_wave, weights
+            out = _experts_compute(layer, hidden[rows], ids_wave, weights)
             partial.index_add_(0, rows, out.to(partial.dtype))
         raise AssertionError("unreachable")
 
