@@ -41,6 +41,8 @@ Flags:
     --resume              continue from ``DIR/checkpoint`` (weights, optimizer, scheduler,
                           step, RNG; the data order is a function of seed and step).
     --time-budget-min M   stop cleanly (and save) after M minutes of wall time.
+    --max-steps-per-run N stop cleanly (and save) after N steps in this invocation; with
+                          --resume, a long run can be done in deterministic chunks.
     --save-every N        checkpoint interval in steps (default 200).
     --max-tokens N        read at most N training tokens (default 2,000,000).
     --layers A B C        explicit target feature layers as HF ``hidden_states`` indices
@@ -74,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--time-budget-min", type=float, default=0.0)
+    p.add_argument("--max-steps-per-run", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=2_000_000)
     p.add_argument("--layers", type=int, nargs=3, default=None)
@@ -84,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         target=a.target, data=a.data, out=a.out, steps=a.steps, seq_len=a.seq_len, batch_size=a.batch_size,
         ttt_steps=a.ttt_steps, draft_vocab=a.draft_vocab, expert_heads=a.expert_heads,
         expert_loss_weight=a.expert_loss_weight, lr=a.lr, warmup_steps=a.warmup_steps, threads=a.threads,
-        seed=a.seed, resume=a.resume, time_budget_min=a.time_budget_min, save_every=a.save_every,
+        seed=a.seed, resume=a.resume, time_budget_min=a.time_budget_min,
+        max_steps_per_run=a.max_steps_per_run, save_every=a.save_every,
         max_tokens=a.max_tokens, text_field=a.text_field, feature_indices=a.layers,
     )
 

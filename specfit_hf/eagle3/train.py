@@ -405,6 +405,7 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False
     time_budget_min: float = 0.0
+    max_steps_per_run: int = 0
     save_every: int = 200
     max_tokens: int = 2_000_000
     text_field: str | None = None
@@ -575,8 +576,9 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
     last: LossOutput | None = None
     stopped_early = False
     bar = tqdm(total=cfg.steps, initial=step, desc="eagle3", disable=not progress, dynamic_ncols=True)
+    first_step = step
     while step < cfg.steps:
-        if time.perf_counter() - start > budget_s:
+        if time.perf_counter() - start > budget_s or (cfg.max_steps_per_run and step - first_step >= cfg.max_steps_per_run):
             stopped_early = True
             break
         t0 = time.perf_counter()
