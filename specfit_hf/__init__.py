@@ -18,3 +18,6 @@ def __getattr__(name: str):
 
 # Offloaded-expert runtime (stage 1).
 from .offload import EmulatedLink, OffloadRuntime, get_runtime, offload_experts  # noqa: E402
+
+# EAGLE-3 draft model (stage 2).
+from .eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter  # noqa: E402
