@@ -472,7 +472,8 @@ loss `sum_j 0.8^j CE(target || draft)` over a {summary['draft_vocab_size']}-toke
 
 ```python
 from transformers import AutoModelForCausalLM
-from specfit_hf import Eagle3DraftModel, SpecFitConfig
+from specfit_hf import Eagle3DraftModel
+from specfit_hf.generation import SpecFitConfig
 
 target = AutoModelForCausalLM.from_pretrained("{base}")
 draft = Eagle3DraftModel.from_pretrained("<this folder>")
