@@ -233,20 +233,52 @@ def test_align_groups_every_pair_once_in_single_slot_blocks():
 def test_bad_inputs_raise():
     args, kwargs = make_problem(4, 2, 32, 16, 4)
     x, w_gu, w_dn, slots, weights = args
-    with pytest.raises(RuntimeError, match="out of bounds"):  # the align step's scatter_add_ on CPU
-        fm.fused_experts_triton(x, w_gu, w_dn, slots + 4, weights)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="slot_ids"):
         fused_experts_reference(x, w_gu, w_dn, slots - 5, weights)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        align_pairs_by_slot(slots + 4, 4, 16)
     with pytest.raises(ValueError, match="w_down"):
         fm.fused_experts_triton(x, w_gu, w_dn[:, :, :8], slots, weights)
     with pytest.raises(TypeError, match="dtype"):
         fm.fused_experts_triton(x, w_gu.half(), w_dn, slots, weights)
+    with pytest.raises(TypeError, match="integer"):
+        fm.fused_experts_triton(x, w_gu, w_dn, slots.float(), weights)
     with pytest.raises(ValueError, match="weights"):
         fused_experts(x, w_gu, w_dn, slots, weights[:, :1])
     with pytest.raises(ValueError, match="backend"):
         fused_experts(x, w_gu, w_dn, slots, weights, backend="cuda")
     with pytest.raises(ValueError, match="activation"):
         fused_experts(x, w_gu, w_dn, slots, weights, activation="gelu")
+
+
+def test_out_of_range_slot_poisons_only_its_token():
+    # The kernels cannot raise without a device sync; a bad slot id must still never yield a
+    # plausible-looking row: that token's output is NaN, the other tokens are unaffected.
+    args, _ = make_problem(4, 2, 32, 16, 4, seed=11)
+    x, w_gu, w_dn, slots, weights = args
+    bad = slots.clone()
+    bad[1, 0], bad[3, 1] = 4, -1
+    got = fm.fused_experts_triton(x, w_gu, w_dn, bad, weights)
+    assert bool(torch.isnan(got[[1, 3]]).all())
+    want = fused_experts_reference(x, w_gu, w_dn, slots, weights)
+    torch.testing.assert_close(got[[0, 2]], want[[0, 2]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_slots, routing",
+    [(1, 1, 2, "random"), (23, 3, 9, "random"), (64, 8, 200, "random"), (40, 2, 5, "one_slot")],
+)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+def test_triton_align_kernel_matches_torch_align(num_tokens, top_k, num_slots, routing, index_dtype):
+    gen = torch.Generator().manual_seed(12)
+    if routing == "random":
+        slots = torch.randint(0, max(1, num_slots - 3), (num_tokens, top_k), generator=gen)
+    else:
+        slots = torch.full((num_tokens, top_k), num_slots - 1)
+    want = align_pairs_by_slot(slots, num_slots, 16)
+    got = fm.align_pairs_triton(slots.to(index_dtype).reshape(-1), num_slots, 16)
+    assert torch.equal(got.sorted_pairs, want.sorted_pairs)
+    assert torch.equal(got.block_slot, want.block_slot)
 
 
 def test_zero_tokens():

@@ -47,18 +47,18 @@ if "nvidia" not in getattr(triton.backends, "backends", {}):
 
 
 @pytest.mark.parametrize(
-    "dtype, capability, activation, has_bias",
+    "dtype, capability, activation, has_bias, num_slots",
     [
-        (torch.bfloat16, 90, "silu", False),
-        (torch.float16, 80, "silu", False),
-        (torch.bfloat16, 80, "swiglu_oai", True),
-        (torch.float32, 90, "silu", False),
+        (torch.bfloat16, 90, "silu", False, 128),
+        (torch.float16, 80, "silu", False, 8),
+        (torch.bfloat16, 80, "swiglu_oai", True, 32),
+        (torch.float32, 90, "silu", False, 300),
     ],
     ids=["bf16-sm90", "fp16-sm80", "bf16-sm80-gptoss", "fp32-sm90"],
 )
-def test_kernels_lower_to_cubin(dtype, capability, activation, has_bias):
-    compiled = fm.compile_kernels(dtype, capability, activation=activation, has_bias=has_bias)
-    assert set(compiled) == {"_gate_up_act_kernel", "_down_kernel", "_sum_choices_kernel"}
+def test_kernels_lower_to_cubin(dtype, capability, activation, has_bias, num_slots):
+    compiled = fm.compile_kernels(dtype, capability, activation=activation, has_bias=has_bias, num_slots=num_slots)
+    assert set(compiled) == {"_align_kernel", "_gate_up_act_kernel", "_down_kernel", "_sum_choices_kernel"}
     for name, kernel in compiled.items():
         assert kernel.asm["cubin"], name
         assert kernel.metadata.shared <= 160 * 1024, name  # fits an A100/H100 SM's shared memory

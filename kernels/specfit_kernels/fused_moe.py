@@ -1,13 +1,20 @@
 """Triton kernels for the experts of one forward, reading weights from device-cache slot buffers.
 
-Three launches per call (after the torch align step in :mod:`specfit_kernels.align`):
+Four launches per call, whatever T, k and the routing (no host sync, no Python loop over experts):
 
+0. ``_align_kernel`` (one program): groups the (token, choice) pairs by slot and pads each group to
+   ``BLOCK_M`` rows — the layout of :func:`specfit_kernels.align.align_pairs_by_slot` (its torch
+   twin, kept as the readable reference), built with counting passes instead of a sort.
 1. ``_gate_up_act_kernel``: for a block of ``BLOCK_M`` pairs that share a slot, computes the gate and
    up tiles of ``BLOCK_N`` intermediate features with two fp32 accumulators, applies the gated
    activation in registers and stores only the ``I``-wide intermediate (never the ``2I`` projection).
 2. ``_down_kernel``: the down projection of those pairs, plus bias, scaled by the routing weight in
    fp32, stored as one fp32 row per (token, choice) pair.
 3. ``_sum_choices_kernel``: ``out[t] = sum_j rows[t * k + j]`` in the fixed order ``j = 0 .. k-1``.
+
+A slot id outside ``[0, S)`` is never placed by the align kernel, and the sum kernel turns that
+token's output row into NaN: a loud failure instead of a silently wrong row (range-checking on the
+host would cost a device sync per layer).
 
 No atomics anywhere, so a result is reproducible bit for bit run to run. The block sizes are fixed
 per dtype (never chosen from T), and every output row is computed from its own input row only, so a
@@ -31,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .align import AlignedPairs, align_pairs_by_slot
+from .align import AlignedPairs, padded_capacity
 from .reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_inputs
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -84,6 +91,73 @@ def _gated_activation(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
         up = tl.minimum(tl.maximum(up, -limit), limit)
         out = (up + 1.0) * (gate * _sigmoid(gate * alpha))
     return out
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+# Sums and prefix sums use the combine function of tl.sum / tl.cumsum: compiled it is the same
+# addition as `_add`, and the interpreter recognizes it and runs numpy's sum/cumsum instead of
+# calling the combine function once per element (seconds per call for the align kernel).
+_sum_combine = getattr(tl.standard, "_sum_combine", _add)
+
+
+@triton.jit
+def _align_kernel(
+    slot_ids_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    num_pairs,
+    num_slots,
+    capacity,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    S_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Single-program align step (same layout as ``align_pairs_by_slot``).
+
+    Pass 1 counts pairs per slot (one-hot [CHUNK, S_BLOCK] tiles), giving each slot's padded start;
+    pass 2 places pair p at ``padded_start[s] + (# earlier pairs of slot s)``; pass 3 labels blocks.
+    Pairs keep ascending order within a slot, so the layout is deterministic.
+    """
+    slot_range = tl.arange(0, S_BLOCK)
+    slot_exists = slot_range < num_slots
+    for r0 in range(0, capacity, CHUNK):  # padding sentinel everywhere first
+        rows = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + rows, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=rows < capacity)
+
+    counts = tl.full((S_BLOCK,), 0, tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        slots = tl.load(slot_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        onehot = ((slots[:, None] == slot_range[None, :]) & slot_exists[None, :]).to(tl.int32)
+        counts += tl.reduce(onehot, 0, _sum_combine)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.associative_scan(padded, 0, _sum_combine)
+    padded_start = padded_end - padded
+    tl.debug_barrier()  # the sentinel fill above must land before the placement stores below
+
+    placed = tl.full((S_BLOCK,), 0, tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        slots = tl.load(slot_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        onehot = ((slots[:, None] == slot_range[None, :]) & slot_exists[None, :]).to(tl.int32)
+        rank = tl.associative_scan(onehot, 0, _sum_combine) - 1  # rank among this chunk's pairs of the slot
+        dest = tl.reduce(onehot * (rank + (padded_start + placed)[None, :]), 1, _sum_combine)
+        valid = (pairs < num_pairs) & (slots >= 0) & (slots < num_slots)
+        tl.store(sorted_pairs_ptr + dest, pairs, mask=valid)
+        placed += tl.reduce(onehot, 0, _sum_combine)
+
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        first_row = (blocks * BLOCK_M)[:, None]
+        inside = (first_row >= padded_start[None, :]) & (first_row < padded_end[None, :])
+        hits = tl.reduce(inside.to(tl.int32), 1, _sum_combine)
+        slot = tl.reduce(tl.where(inside, slot_range[None, :], 0), 1, _sum_combine)
+        tl.store(block_slot_ptr + blocks, tl.where(hits > 0, slot, -1), mask=blocks < num_blocks)
 
 
 @triton.jit
@@ -254,6 +328,8 @@ def _down_kernel(
 def _sum_choices_kernel(
     rows_ptr,
     out_ptr,
+    slot_ids_ptr,
+    num_slots,
     top_k,
     H,
     stride_rp,
@@ -263,16 +339,46 @@ def _sum_choices_kernel(
     ROUND_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """out[t, h] = sum_{j=0..k-1} rows[t*k + j, h], fp32, in fixed choice order (no atomics)."""
+    """out[t, h] = sum_{j=0..k-1} rows[t*k + j, h], fp32, in fixed choice order (no atomics).
+
+    A choice whose slot id is out of range was never computed: it contributes NaN.
+    """
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
     acc = tl.full((BLOCK,), 0.0, tl.float32)
     for j in range(0, top_k):
-        acc += tl.load(rows_ptr + (token * top_k + j) * stride_rp + offs * stride_rh, mask=ok, other=0.0)
+        pair = token * top_k + j
+        slot = tl.load(slot_ids_ptr + pair)
+        row = tl.load(rows_ptr + pair * stride_rp + offs * stride_rh, mask=ok, other=0.0)
+        acc += tl.where((slot >= 0) & (slot < num_slots), row, float("nan"))
     if ROUND_BF16:
         acc = _round_fp32_to_bf16_grid(acc)
     tl.store(out_ptr + token * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def align_chunk(num_slots: int) -> tuple[int, int]:
+    """(S_BLOCK, CHUNK) of the align kernel: one-hot tiles of about 8K elements."""
+    s_block = max(16, triton.next_power_of_2(num_slots))
+    return s_block, max(16, min(128, 8192 // s_block))
+
+
+def align_pairs_triton(slot_flat: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
+    """The align step as one Triton launch; same result as :func:`align_pairs_by_slot`.
+
+    Slot ids outside ``[0, num_slots)`` are left out of the layout (see the module docstring).
+    """
+    num_pairs = slot_flat.numel()
+    capacity = padded_capacity(num_pairs, num_slots, block_m)
+    num_blocks = capacity // block_m
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=slot_flat.device)
+    block_slot = torch.empty(num_blocks, dtype=torch.int32, device=slot_flat.device)
+    s_block, chunk = align_chunk(num_slots)
+    _align_kernel[(1,)](
+        slot_flat, sorted_pairs, block_slot, num_pairs, num_slots, capacity, num_blocks,
+        BLOCK_M=block_m, S_BLOCK=s_block, CHUNK=chunk, num_warps=8,
+    )  # fmt: skip
+    return AlignedPairs(sorted_pairs, block_slot, num_pairs, block_m)
 
 
 def fused_experts_triton(
@@ -309,7 +415,8 @@ def fused_experts_triton(
     if num_pairs == 0:
         return out.zero_()
 
-    aligned: AlignedPairs = align_pairs_by_slot(slot_ids, shapes.num_slots, cfg.block_m)
+    slot_flat = slot_ids.reshape(-1).contiguous()
+    aligned = align_pairs_triton(slot_flat, shapes.num_slots, cfg.block_m)
     route_w = weights.reshape(-1).contiguous()
     inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     rows = torch.empty(num_pairs, hsz, dtype=torch.float32, device=hidden.device)
@@ -354,7 +461,7 @@ def fused_experts_triton(
     )  # fmt: skip
     grid = (num_tokens, triton.cdiv(hsz, cfg.block_reduce))
     _sum_choices_kernel[grid](
-        rows, out, top_k, hsz, rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
+        rows, out, slot_flat, shapes.num_slots, top_k, hsz, rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
         ROUND_BF16=upcast, BLOCK=cfg.block_reduce, num_warps=4,
     )  # fmt: skip
     return out
@@ -369,6 +476,7 @@ def compile_kernels(
     *,
     activation: str = "silu",
     has_bias: bool = False,
+    num_slots: int = 128,
     config: KernelConfig | None = None,
 ) -> dict[str, object]:
     """Compile the three kernels ahead of time for ``sm_<capability>`` — no GPU needed.
@@ -384,7 +492,10 @@ def compile_kernels(
         raise RuntimeError("compile_kernels needs the compiled (non-TRITON_INTERPRET) copy of this module")
     cfg = config or default_config(dtype)
     act_ty = "*" + _TRITON_DTYPES[dtype]
-    pointer_types = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "rows_ptr": "*fp32"}
+    pointer_types = {
+        "sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "rows_ptr": "*fp32", "slot_ids_ptr": "*i64",
+    }  # fmt: skip
+    s_block, chunk = align_chunk(num_slots)
     scalar_types = {"alpha": "fp32", "limit": "fp32"}
     upcast, ieee = False, dtype == torch.float32
     constexprs = {
@@ -397,10 +508,11 @@ def compile_kernels(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ),
         "_sum_choices_kernel": dict(ROUND_BF16=False, BLOCK=cfg.block_reduce),
+        "_align_kernel": dict(BLOCK_M=cfg.block_m, S_BLOCK=s_block, CHUNK=chunk),
     }  # fmt: skip
     target = GPUTarget("cuda", capability, 32)
     compiled = {}
-    for kernel in (_gate_up_act_kernel, _down_kernel, _sum_choices_kernel):
+    for kernel in (_align_kernel, _gate_up_act_kernel, _down_kernel, _sum_choices_kernel):
         consts = constexprs[kernel.__name__]
         signature = {}
         for name in kernel.arg_names:
@@ -412,6 +524,8 @@ def compile_kernels(
                 signature[name] = scalar_types.get(name, "i32")
         source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
         num_warps = 4
+        if kernel is _align_kernel:
+            num_warps = 8
         options = dict(num_warps=num_warps, num_stages=cfg.num_stages)
         compiled[kernel.__name__] = triton.compile(source, target=target, options=options)
     return compiled
