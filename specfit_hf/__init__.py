@@ -19,5 +19,8 @@ def __getattr__(name: str):
 # Offloaded-expert runtime (stage 1).
 from .offload import EmulatedLink, OffloadRuntime, get_runtime, offload_experts  # noqa: E402
 
+# Selection (stage 3): cost model, exact subtree search, calibration.
+from .selection import CostModel, calibrate, select_subtree  # noqa: E402
+
 # EAGLE-3 draft model (stage 2).
 from .eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter  # noqa: E402

@@ -1,0 +1,178 @@
+"""Cost-model calibration: t0, t_token, t_expert of this host and link.
+
+``calibrate(model, draft, runtime)`` times target forwards of ``n`` new tokens on top of
+a short cached prefix, once with the device expert cache warm and once right after
+``runtime.flush()`` (every expert misses), for several ``n``; a non-negative least
+squares fit of ``seconds ~ t0 + t_token * n + t_expert * misses`` gives the model.
+During generation :class:`OnlineCostModel` refits the same regression on the most
+recent cycle records (cycle seconds, verified tokens, experts loaded), shrunk toward
+the calibrated model so a few noisy cycles cannot swing it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+from .search import CostModel
+
+__all__ = ["CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape"]
+
+# (verified tokens incl. root, experts loaded, seconds)
+CostSample = tuple[float, float, float]
+
+
+def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None = None,
+                   prior_weight: float = 0.0) -> CostModel:
+    """Non-negative least squares fit of ``seconds = t0 + t_token * tokens + t_expert * misses``.
+
+    ``prior_weight`` adds that many pseudo-samples pinning each coefficient to ``prior``
+    (ridge toward the prior, scaled to the data) -- useful when few samples exist or a
+    feature barely varies.  Rows are weighted by 1/seconds so the fit minimises relative
+    error (what MAPE measures).
+    """
+    data = np.asarray(list(samples), dtype=np.float64).reshape(-1, 3)
+    if data.shape[0] == 0 and prior is None:
+        raise ValueError("fit_cost_model needs samples or a prior")
+    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    y = data[:, 2]
+    w = 1.0 / np.maximum(y, 1e-9)
+    a, b = x * w[:, None], y * w
+    if prior is not None and prior_weight > 0:
+        p = np.array([prior.t0, prior.t_token, prior.t_expert])
+        # pin coefficient j with strength proportional to its typical contribution
+        scale = np.maximum(np.abs(a).mean(axis=0) if len(a) else np.ones(3), 1e-12) * np.sqrt(prior_weight)
+        a = np.vstack([a, np.diag(scale)])
+        b = np.concatenate([b, scale * p])
+    if a.shape[0] == 0:
+        assert prior is not None
+        return prior
+    coef, _ = nnls(a, b)
+    t0, t_tok, t_exp = (float(c) for c in coef)
+    if t0 + t_tok <= 0:
+        t0 = float(max(np.min(y), 1e-6)) if len(y) else 1e-3
+    return CostModel(t0=t0, t_token=t_tok, t_expert=t_exp)
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error, in percent."""
+    p = np.asarray(predicted, dtype=np.float64)
+    m = np.asarray(measured, dtype=np.float64)
+    ok = np.isfinite(p) & np.isfinite(m) & (m > 0)
+    return float(100.0 * np.mean(np.abs(p[ok] - m[ok]) / m[ok])) if ok.any() else float("nan")
+
+
+class OnlineCostModel:
+    """A cost model refined from measured cycles (least squares on a sliding window).
+
+    Args:
+        initial: the starting model (calibrated, or a default).
+        window: most recent cycles used by the fit.
+        min_samples: cycles before the first refit.
+        prior_weight: pseudo-samples pinning the fit to ``initial``.
+    """
+
+    def __init__(self, initial: CostModel, window: int = 64, min_samples: int = 4, prior_weight: float = 2.0):
+        self.initial = initial
+        self.model = initial
+        self.samples: deque[CostSample] = deque(maxlen=int(window))
+        self.min_samples = int(min_samples)
+        self.prior_weight = float(prior_weight)
+        self.predicted: list[float] = []
+        self.measured: list[float] = []
+
+    def add(self, tokens: float, misses: float, seconds: float, predicted: float | None = None) -> None:
+        """Record one cycle and refit.  ``predicted`` (the policy's forecast) feeds :attr:`mape`."""
+        if not np.isfinite(seconds) or seconds <= 0:
+            return
+        self.samples.append((float(tokens), float(misses), float(seconds)))
+        if predicted is not None and np.isfinite(predicted):
+            self.predicted.append(float(predicted))
+            self.measured.append(float(seconds))
+        if len(self.samples) >= self.min_samples:
+            self.model = fit_cost_model(self.samples, prior=self.initial, prior_weight=self.prior_weight)
+
+    @property
+    def mape(self) -> float:
+        """MAPE (%) of the forecasts passed to :meth:`add` against measured cycle seconds."""
+        return mape(self.predicted, self.measured)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def calibrate(
+    model: Any,
+    draft: Any = None,
+    runtime: Any = None,
+    *,
+    token_counts: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    repeats: int = 3,
+    prefix_len: int = 16,
+    clock: Callable[[], float] = time.perf_counter,
+    return_samples: bool = False,
+) -> CostModel | tuple[CostModel, list[CostSample]]:
+    """Profile ``t0``, ``t_token`` and ``t_expert`` on this host and link.
+
+    For each ``n`` in ``token_counts`` the target runs ``n`` new tokens on a cached
+    prefix of ``prefix_len`` random tokens, with the expert cache warm (after one
+    unmeasured run) and cold (``runtime.flush()`` first), ``repeats`` times each; the
+    misses of each run come from ``runtime.stats.total.misses``.  Without a runtime
+    only ``t0`` and ``t_token`` are fitted (``t_expert = 0``).
+
+    ``draft`` is accepted for API symmetry and not timed here: drafting a tree costs
+    about the same whatever subtree is verified, so it belongs to ``t0``, which the
+    policy refines online from measured cycles (:class:`OnlineCostModel`).
+
+    Returns the fitted :class:`CostModel` (and the samples when ``return_samples``).
+    """
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen)
+    out = model(input_ids=prefix.to(device), use_cache=True)
+    base_cache = out.past_key_values
+    samples: list[CostSample] = []
+
+    def misses() -> float:
+        return float(runtime.stats.total.misses) if runtime is not None else 0.0
+
+    def run(n: int, cold: bool) -> CostSample:
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        cache = copy.deepcopy(base_cache)
+        positions = torch.arange(prefix_len, prefix_len + n, device=device)[None]
+        if cold and runtime is not None:
+            runtime.flush()
+        before = misses()
+        _sync(device)
+        start = clock()
+        model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=True)
+        _sync(device)
+        seconds = clock() - start
+        return (float(n + 0), misses() - before, seconds)
+
+    conditions = [False, True] if runtime is not None else [False]
+    for n in token_counts:
+        run(n, cold=False)  # warm-up: the experts this n touches become resident
+        for _ in range(repeats):
+            for cold in conditions:
+                samples.append(run(int(n), cold))
+    # a cycle verifies the root plus n nodes: tokens already count the root
+    if runtime is None:
+        tokens = np.array([s[0] for s in samples])
+        seconds = np.array([s[2] for s in samples])
+        coef, _ = nnls(np.column_stack([np.ones_like(tokens), tokens]), seconds)
+        result = CostModel(t0=float(max(coef[0], 1e-9)), t_token=float(coef[1]), t_expert=0.0)
+    else:
+        result = fit_cost_model(samples)
+    _ = draft
+    return (result, samples) if return_samples else result

@@ -1,0 +1,391 @@
+"""The ``specfit`` and ``oracle`` selection policies.
+
+``specfit`` (after every draft level):
+
+1. per-node acceptance = calibrated draft probability (:class:`AcceptanceCalibrator`),
+   path acceptance ``P(v)`` = product along the path;
+2. predicted experts of every node and of the root per target MoE layer (an
+   :mod:`~specfit_hf.selection.experts` predictor), and the device cache's residents;
+3. the exact throughput-optimal ancestor-closed subtree (:func:`select_subtree`), warm
+   started from the previous level's optimum;
+4. **stop rule**: stop drafting when the optimal subtree holds no node of the newest
+   level, or when ``max_depth`` levels exist.  Rationale: a deeper node can only be
+   verified together with its newest-level ancestor; when even the newest level is not
+   worth verifying, its children (whose path acceptance is at most their parent's) rarely
+   are, and every further level costs a draft step.
+
+After verification (``observe``) it learns online: the acceptance calibrator from the
+outcome of every verified node whose parent's choice was observed, the expert history
+from ``runtime.last_routing``, and the cost model from the measured cycle
+(:class:`OnlineCostModel`).  Without an offload runtime there is no expert term.
+
+``policy_kwargs`` (all optional): ``cost`` (a :class:`CostModel` or its fields as a
+dict), ``calibrate`` (bool: profile the host in ``reset``), ``expert_predictor``
+(``auto`` | ``router`` | ``history`` | ``history+router`` | ``heads`` | ``none``),
+``measure_predictors`` (list of predictor names also scored each cycle, for reports),
+``max_nodes`` (only the ``max_nodes`` most likely nodes are candidates), ``online_cost``
+(bool, default True), ``acceptance`` (dict of :class:`AcceptanceCalibrator` args).
+
+``oracle`` (benchmarks only) knows the true acceptance and the true experts: see
+:class:`OraclePolicy` for what it needs from the loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..tree import DraftTree, Selection, VerifyResult
+from .acceptance import AcceptanceCalibrator, acceptance_outcomes, path_acceptance
+from .calibration import OnlineCostModel, calibrate
+from .experts import (
+    DraftHeadPredictor,
+    UnionQuality,
+    actual_routing,
+    cached_mask,
+    make_predictor,
+)
+from .policy import CycleContext, SelectionPolicy, register_policy, top_n_by_path_prob
+from .search import CostModel, select_subtree
+
+__all__ = ["SpecFitPolicy", "OraclePolicy", "OracleProbe", "default_cost_model"]
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def default_cost_model(runtime: Any = None) -> CostModel:
+    """A starting point before calibration / online refinement.
+
+    ``t_expert`` comes from the runtime's emulated link when it has one.
+    """
+    t_expert = 0.0
+    if runtime is not None:
+        t_expert = 1e-4
+        link = getattr(runtime, "link", None)
+        nbytes = getattr(runtime, "expert_bytes", None)
+        if link is not None and nbytes:
+            t_expert = float(link.transfer_seconds(int(nbytes)))
+    return CostModel(t0=5e-3, t_token=5e-4, t_expert=t_expert)
+
+
+def _cost_from_kwargs(value: Any) -> CostModel | None:
+    if value is None:
+        return None
+    if isinstance(value, CostModel):
+        return value
+    if isinstance(value, dict):
+        return CostModel(**value)
+    raise ValueError("policy_kwargs['cost'] must be a CostModel or a dict with t0, t_token, t_expert")
+
+
+def _draft_model(ctx: CycleContext) -> Any:
+    drafter = ctx.extras.get("drafter")
+    return getattr(drafter, "model", None)
+
+
+class _TreePredictions:
+    """Predicted experts of one cycle's tree, extended level by level (never recomputed)."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree = tree
+        self.nodes: np.ndarray | None = None
+        self.root: np.ndarray | None = None
+
+
+@register_policy("specfit")
+class SpecFitPolicy(SelectionPolicy):
+    """Throughput-optimal subtree selection (see the module docstring)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        kw = dict(getattr(config, "policy_kwargs", {}) or {})
+        self.kwargs = kw
+        self.max_depth = int(getattr(config, "max_depth", 7))
+        self.max_nodes = kw.get("max_nodes")
+        self.predictor_name = str(kw.get("expert_predictor", "auto"))
+        self.measure_names = list(kw.get("measure_predictors", []))
+        self.calibrator = AcceptanceCalibrator(**dict(kw.get("acceptance", {})))
+        self.cost: OnlineCostModel | None = None
+        self.runtime = None
+        self.predictor = None
+        self.measured: dict[str, Any] = {}
+        self.quality: dict[str, UnionQuality] = {}
+        self._pred: _TreePredictions | None = None
+        self._cached: np.ndarray | None = None
+        self._last: Selection | None = None
+        # drafting cost and whether drafting pays off (see select on the empty tree)
+        self.level_seconds: float | None = None  # EMA of draft seconds per level
+        self.drafted_rate: float | None = None  # EMA of tokens/s of cycles that drafted
+        self.plain_rate: float | None = None  # EMA of tokens/s of cycles that did not
+        self.explore_every = int(kw.get("explore_every", 8))
+        self.ema = float(kw.get("ema", 0.3))
+        self._cycle = 0
+
+    # -------------------------------------------------------------- lifecycle
+    def reset(self, ctx: CycleContext) -> None:
+        self.runtime = ctx.runtime
+        initial = _cost_from_kwargs(self.kwargs.get("cost"))
+        if initial is None and self.kwargs.get("calibrate"):
+            initial = calibrate(ctx.target, _draft_model(ctx), ctx.runtime)
+        if initial is None:
+            initial = default_cost_model(ctx.runtime)
+        if ctx.runtime is None and initial.t_expert:
+            initial = CostModel(initial.t0, initial.t_token, 0.0)
+        self.cost = OnlineCostModel(initial)
+        draft = _draft_model(ctx)
+        self.predictor = make_predictor(self.predictor_name, ctx.runtime, ctx.target, draft)
+        self.measured = {}
+        for name in self.measure_names:
+            if ctx.runtime is None or (name == "heads" and not DraftHeadPredictor.supported(draft)):
+                continue
+            self.measured[name] = make_predictor(name, ctx.runtime, ctx.target, draft)
+        self.quality = {name: UnionQuality() for name in ["policy", *self.measured]}
+        self._pred = None
+        self.level_seconds = self.drafted_rate = self.plain_rate = None
+        self._cycle = 0
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The current verification cost model (drafting excluded)."""
+        if self.cost is None:
+            raise RuntimeError("the specfit policy is used before reset()")
+        return self.cost.model
+
+    def cycle_cost_model(self, levels: int) -> CostModel:
+        """The cost model of a whole cycle that drafted ``levels`` levels (drafting is in t0)."""
+        c = self.cost_model
+        return CostModel(c.t0 + (self.level_seconds or 0.0) * levels, c.t_token, c.t_expert)
+
+    def _skip_drafting(self) -> bool:
+        """Draft nothing this cycle when cycles that draft have been slower than plain ones.
+
+        The first cycle drafts, the second does not (to measure both); afterwards the
+        faster kind runs, and every ``explore_every``-th cycle runs the other kind so
+        both estimates follow the text (acceptance changes with content).  Off with
+        ``policy_kwargs={"adaptive_drafting": False}``.
+        """
+        if not self.kwargs.get("adaptive_drafting", True):
+            return False
+        if self.drafted_rate is None:
+            return False
+        if self.plain_rate is None:
+            return True
+        explore = self._cycle % self.explore_every == 0
+        plain_is_faster = self.plain_rate > self.drafted_rate
+        return plain_is_faster != explore
+
+    # -------------------------------------------------------------- selection
+    def _experts(self, tree: DraftTree, ctx: CycleContext) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.predictor is None:
+            return None
+        pred = self._pred
+        if pred is None or pred.tree is not tree:
+            pred = self._pred = _TreePredictions(tree)
+            pred.root = self.predictor.predict_root(tree, ctx)
+            pred.nodes = np.zeros((0, *pred.root.shape), dtype=np.int64)
+            self._cached = cached_mask(self.runtime)  # the draft does not touch the target's cache
+        done = pred.nodes.shape[0]
+        if done < len(tree):
+            new = self.predictor.predict(tree, ctx, np.arange(done, len(tree)))
+            pred.nodes = np.concatenate([pred.nodes, new])
+        return pred.nodes, pred.root
+
+    def _root_only_time(self, tree: DraftTree, ctx: CycleContext) -> float:
+        """Predicted seconds of verifying the root alone (no drafting)."""
+        misses = 0
+        if self.predictor is not None:
+            root = self.predictor.predict_root(tree, ctx)  # history knows tokens; others need a hidden
+            cached = cached_mask(self.runtime)
+            valid = root >= 0
+            layer = np.broadcast_to(np.arange(root.shape[0])[:, None], root.shape)
+            misses = len(set(zip(layer[valid].tolist(), root[valid].tolist())) - set(zip(*np.nonzero(cached))))
+        return self.cost_model.predict(1, misses)
+
+    def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
+        if self.cost is None:
+            self.reset(ctx)
+        if len(tree) == 0:
+            self._last = None
+            self._cycle += 1
+            return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=self._root_only_time(tree, ctx),
+                             stop=self.max_depth < 1 or self._skip_drafting())
+        node_acc = self.calibrator(tree.draft_probs, tree.depths)
+        path = path_acceptance(tree, node_acc)
+        experts = self._experts(tree, ctx)
+        candidates = None
+        if self.max_nodes is not None and len(tree) > int(self.max_nodes):
+            candidates = top_n_by_path_prob(_with_path(tree, path), int(self.max_nodes)).numpy()
+        parents = tree.parents.numpy()
+        warm = None
+        if self._last is not None and self._last.nodes.numel() and int(self._last.nodes.max()) < len(tree):
+            warm = self._last.nodes.numpy()
+        if candidates is not None:
+            remap = np.full(len(tree), -1, dtype=np.int64)
+            remap[candidates] = np.arange(candidates.size)
+            sub_parents = np.where(parents[candidates] >= 0, remap[np.maximum(parents[candidates], 0)], -1)
+            sel = select_subtree(
+                sub_parents, path[candidates],
+                None if experts is None else experts[0][candidates],
+                None if experts is None else experts[1],
+                None if experts is None else self._cached,
+                self.cycle_cost_model(tree.num_levels),
+                warm_start=None if warm is None else remap[warm][remap[warm] >= 0],
+            )
+            sel.nodes = torch.from_numpy(candidates[sel.nodes.numpy()])
+        else:
+            sel = select_subtree(
+                parents, path,
+                None if experts is None else experts[0],
+                None if experts is None else experts[1],
+                None if experts is None else self._cached,
+                self.cycle_cost_model(tree.num_levels),
+                warm_start=warm,
+            )
+        newest = tree.depths[sel.nodes] == tree.num_levels if len(sel) else torch.zeros(0, dtype=torch.bool)
+        sel.stop = tree.num_levels >= self.max_depth or not bool(newest.any())
+        self._last = sel
+        return sel
+
+    # -------------------------------------------------------------- learning
+    def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: Any) -> None:
+        seen, accepted = acceptance_outcomes(tree, selection, result)
+        if seen.size:
+            self.calibrator.update(tree.draft_probs.numpy()[seen], accepted, tree.depths.numpy()[seen])
+        if self.cost is not None and record is not None:
+            self._observe_cost(tree, selection, record)
+        if self.runtime is None:
+            return
+        nodes = selection.nodes.numpy()
+        routing = actual_routing(self.runtime, rows=1 + nodes.size)
+        if routing is None:
+            return
+        tokens = np.concatenate([[int(tree.root_token)], tree.tokens.numpy()[nodes]])
+        # score the predictions (policy's own, then the measured alternatives) on this block
+        if self._pred is not None and self._pred.tree is tree and self._pred.nodes is not None:
+            predicted = np.concatenate([self._pred.root[None], self._pred.nodes[nodes]])
+            self.quality["policy"].add(predicted, routing)
+        ctx = None
+        for name, predictor in self.measured.items():
+            if predictor.available(tree, ctx):
+                predicted = np.concatenate([predictor.predict_root(tree, ctx)[None], predictor.predict(tree, ctx, nodes)])
+                self.quality[name].add(predicted, routing)
+            predictor.observe(tokens, routing)
+        if self.predictor is not None:
+            self.predictor.observe(tokens, routing)
+
+    def _observe_cost(self, tree: DraftTree, selection: Selection, record: Any) -> None:
+        """Refit the verification cost on (cycle - draft) seconds; track drafting separately."""
+        seconds = float(getattr(record, "cycle_seconds", math.nan))
+        draft_s = float(getattr(record, "draft_seconds", 0.0) or 0.0)
+        committed = int(getattr(record, "tokens_committed", 1))
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        a = self.ema
+        if tree.num_levels > 0:
+            per_level = draft_s / tree.num_levels
+            self.level_seconds = per_level if self.level_seconds is None else (1 - a) * self.level_seconds + a * per_level
+            rate = committed / seconds
+            self.drafted_rate = rate if self.drafted_rate is None else (1 - a) * self.drafted_rate + a * rate
+        else:
+            rate = committed / seconds
+            self.plain_rate = rate if self.plain_rate is None else (1 - a) * self.plain_rate + a * rate
+        loaded = getattr(record, "experts_loaded", None)
+        if not self.kwargs.get("online_cost", True):
+            self.cost.predicted.append(float(selection.predicted_time))
+            self.cost.measured.append(seconds)
+            return
+        self.cost.add(
+            tokens=int(getattr(record, "nodes_verified", len(selection))) + 1,
+            misses=0 if loaded is None else loaded,
+            seconds=seconds - draft_s,
+            predicted=None,
+        )
+        # forecast vs measurement of the whole cycle, for the MAPE report
+        if math.isfinite(selection.predicted_time):
+            self.cost.predicted.append(float(selection.predicted_time))
+            self.cost.measured.append(seconds)
+
+    def report(self) -> dict[str, Any]:
+        """Online figures: cost model, its MAPE, acceptance data, predictor quality."""
+        out: dict[str, Any] = {"acceptance_observations": self.calibrator.observations}
+        if self.cost is not None:
+            out["cost_model"] = self.cost.model
+            out["cycle_time_mape_percent"] = self.cost.mape
+        out["expert_union"] = {name: q.as_dict() for name, q in self.quality.items()}
+        return out
+
+
+def _with_path(tree: DraftTree, path: np.ndarray) -> DraftTree:
+    """A shallow copy of ``tree`` whose ``path_probs`` are ``path`` (for ranking)."""
+    return DraftTree(root_token=tree.root_token, tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
+                     draft_probs=tree.draft_probs, path_probs=torch.from_numpy(np.asarray(path, dtype=np.float64)),
+                     num_levels=tree.num_levels)
+
+
+@dataclass
+class OracleProbe:
+    """What the target does on a whole draft tree, measured without committing anything.
+
+    Attributes:
+        target_tokens: ``[1 + N]`` the target's (greedy) next token after the root
+            (index 0) and after each node ``v`` (index ``1 + v``).
+        routing: ``[1 + N, L, k]`` experts the target routes the root and each node to at
+            each MoE layer (``runtime.moe_layers`` order), or ``None`` without a runtime.
+    """
+
+    target_tokens: torch.Tensor
+    routing: torch.Tensor | np.ndarray | None = None
+
+
+@register_policy("oracle")
+class OraclePolicy(SpecFitPolicy):
+    """Upper bound on selection (benchmarks only): true acceptance and true experts.
+
+    Drafts ``max_depth`` levels, then asks the loop for an :class:`OracleProbe` of the full
+    tree through ``ctx.extras["oracle_probe"]`` (a callable ``tree -> OracleProbe``) and
+    runs the exact search with ``P(v)`` = 1 if the target's greedy choices agree with the
+    whole path to ``v`` else 0, and the true experts.  What the loop must provide: the
+    probe runs the target on ``[root] + all nodes`` with the tree mask on a throw-away copy
+    of the cache, and must leave the expert cache and its statistics as they were (or the
+    oracle's own verification would be cheaper than it should); ``routing`` is the
+    runtime's ``last_routing`` of that forward.  Without a probe this policy raises.
+    Greedy decoding only (under sampling "accepted" is random).
+    """
+
+    def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
+        if self.cost is None:
+            self.reset(ctx)
+        if tree.num_levels < self.max_depth:
+            return Selection(nodes=_EMPTY, stop=False)  # the oracle looks at the full tree
+        probe_fn = ctx.extras.get("oracle_probe")
+        if probe_fn is None:
+            raise ValueError(
+                "the 'oracle' policy needs ctx.extras['oracle_probe'] (tree -> OracleProbe) from the generation loop"
+            )
+        probe: OracleProbe = probe_fn(tree)
+        target = torch.as_tensor(probe.target_tokens).reshape(-1).cpu().numpy()
+        if target.size != len(tree) + 1:
+            raise ValueError(f"oracle probe has {target.size} rows for a tree of {len(tree)} nodes + root")
+        parents = tree.parents.numpy()
+        tokens = tree.tokens.numpy()
+        agree = tokens == target[parents + 1]  # parent -1 (root) -> row 0
+        path = agree.astype(np.float64)
+        path = path_acceptance(tree, path)
+        experts = None
+        if probe.routing is not None and self.runtime is not None:
+            routing = np.asarray(torch.as_tensor(probe.routing).cpu().numpy(), dtype=np.int64)
+            experts = (routing[1:], routing[0])
+        sel = select_subtree(
+            parents, path,
+            None if experts is None else experts[0],
+            None if experts is None else experts[1],
+            None if experts is None else cached_mask(self.runtime),
+            self.cost_model,
+        )
+        sel.stop = True
+        self._last = sel
+        return sel
