@@ -1,0 +1,320 @@
+"""Tree speculative decoding through ``model.generate``: losslessness (greedy) and the generation contract."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerationMixin
+
+from specfit_hf.generation import CycleRecord, SpecFitCache, SpecFitConfig, hf_integration
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: intra-op threading only adds overhead, and the CI box is shared.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_qwen3_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB, hidden: int = 32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def noisy_copy(model, scale: float = 0.3, seed: int = 1):
+    """A draft sharing the target's weights up to noise: accepts long paths, but not always."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * p.std() * torch.randn_like(p))
+    return draft
+
+
+def prompts(n: int, seed: int = 0, vocab: int = VOCAB) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, int(torch.randint(1, 12, (1,), generator=g))), generator=g) for _ in range(n)]
+
+
+TREE_SETTINGS = [
+    dict(max_depth=1, tree_top_k=1, max_verify_nodes=1),  # one-token chain
+    dict(max_depth=4, tree_top_k=3, max_verify_nodes=8),
+    dict(max_depth=7, tree_top_k=10, max_verify_nodes=60),  # EAGLE-3 defaults
+]
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {"qwen3_moe": tiny_qwen3_moe(0), "llama": tiny_llama(0)}
+
+
+@pytest.mark.parametrize("target_name", ["qwen3_moe", "llama"])
+def test_greedy_matches_target_generate(targets, target_name):
+    target = targets[target_name]
+    drafts = {"random": tiny_llama(7, layers=1), "self": target, "noisy": noisy_copy(target)}
+    accepted_nodes = {name: 0 for name in drafts}
+    for i, ids in enumerate(prompts(20, seed=1)):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=16)
+        for j, settings in enumerate(TREE_SETTINGS):
+            # Rotate the drafts over prompts; the target-as-draft always runs the EAGLE-3 tree.
+            draft_names = {list(drafts)[(i + j) % 3]}
+            if settings["max_depth"] == 7:
+                draft_names.add("self")
+            for draft_name in sorted(draft_names):
+                cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, **settings)
+                out = target.generate(ids, assistant_model=drafts[draft_name], generation_config=cfg)
+                assert torch.equal(out.sequences, ref), (target_name, draft_name, settings, i)
+                accepted_nodes[draft_name] += sum(c.tokens_accepted for c in out.cycles)
+    # The self draft proposes the target's own greedy tokens: long paths get accepted.
+    assert accepted_nodes["self"] > 5 * 20
+    assert accepted_nodes["noisy"] > 0
+
+
+def test_self_draft_accepts_full_depth(targets):
+    target = targets["llama"]
+    ids = prompts(1, seed=3)[0]
+    cfg = SpecFitConfig(max_new_tokens=25, do_sample=False, max_depth=4, tree_top_k=1, max_verify_nodes=4,
+                        return_dict_in_generate=True)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg)
+    # A chain drafted by the target itself is always accepted: depth + bonus per cycle.
+    assert [c.tokens_committed for c in out.cycles[:-1]] == [5] * (len(out.cycles) - 1)
+    assert out.sequences.shape[1] == ids.shape[1] + 25
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_exact_max_new_tokens(targets, max_new):
+    target = targets["qwen3_moe"]
+    for ids in prompts(3, seed=max_new):
+        cfg = SpecFitConfig(max_new_tokens=max_new, do_sample=False, max_depth=5, tree_top_k=2, max_verify_nodes=10)
+        out = target.generate(ids, assistant_model=target, generation_config=cfg)
+        assert out.shape[1] == ids.shape[1] + max_new
+        assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=max_new))
+
+
+def test_eos_inside_tree_stops_like_generate(targets):
+    target = targets["llama"]
+    ids = prompts(1, seed=5)[0]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+    new = ref[0, ids.shape[1]:].tolist()
+    eos = new[6]  # a token the target emits mid-way: it lands inside an accepted tree path
+    expected = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    expected = expected[:, : ids.shape[1] + new.index(eos) + 1]
+    for eos_arg in (eos, [VOCAB - 1, eos]):
+        cfg = SpecFitConfig(max_new_tokens=20, do_sample=False, eos_token_id=eos_arg, pad_token_id=0,
+                            max_depth=7, tree_top_k=2, max_verify_nodes=14, return_dict_in_generate=True)
+        out = target.generate(ids, assistant_model=target, generation_config=cfg)
+        assert torch.equal(out.sequences, expected)
+        assert out.sequences[0, -1].item() == eos
+        # The cache holds everything but the last token, as after stock generation.
+        assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+
+
+class _StopAfterToken(StoppingCriteria):
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_inside_tree(targets):
+    target = targets["llama"]
+    ids = prompts(1, seed=6)[0]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+    stop_tok = ref[0, ids.shape[1] + 4].item()
+    criteria = StoppingCriteriaList([_StopAfterToken(stop_tok)])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria)
+    cfg = SpecFitConfig(max_new_tokens=20, do_sample=False, max_depth=6, tree_top_k=2, max_verify_nodes=12)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg, stopping_criteria=criteria)
+    assert torch.equal(out, expected)
+
+
+class _Collect(BaseStreamer):
+    def __init__(self) -> None:
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_tokens_as_committed(targets):
+    target = targets["qwen3_moe"]
+    ids = prompts(1, seed=8)[0]
+    streamer = _Collect()
+    cfg = SpecFitConfig(max_new_tokens=15, do_sample=False, max_depth=4, tree_top_k=2, max_verify_nodes=8,
+                        return_dict_in_generate=True)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()  # generate() streams the prompt first
+    flat = [t for chunk in streamer.chunks[1:] for t in chunk]
+    assert flat == out.sequences[0, ids.shape[1]:].tolist()
+    # prefill token, then one chunk per cycle with that cycle's committed tokens
+    assert [len(c) for c in streamer.chunks[2:]] == [c.tokens_committed for c in out.cycles]
+
+
+def test_cycle_records(targets):
+    target = targets["qwen3_moe"]
+    ids = prompts(1, seed=9)[0]
+    cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, max_depth=3, tree_top_k=2, max_verify_nodes=5,
+                        return_dict_in_generate=True, output_scores=True)
+    out = target.generate(ids, assistant_model=tiny_llama(3, layers=1), generation_config=cfg)
+    assert all(isinstance(c, CycleRecord) for c in out.cycles)
+    assert 1 + sum(c.tokens_committed for c in out.cycles) == 12
+    for c in out.cycles:
+        assert c.nodes_verified <= 5 and c.nodes_drafted >= c.nodes_verified
+        assert c.tokens_accepted + 1 >= c.tokens_committed >= 1
+        assert c.cycle_seconds >= c.draft_seconds + c.verify_seconds > 0
+        assert c.experts_loaded is None  # no offload runtime attached
+    assert len(out.scores) == 12
+    assert isinstance(out.past_key_values, SpecFitCache)
+
+
+def test_autoregressive_policy_skips_drafting(targets):
+    target = targets["llama"]
+    ids = prompts(1, seed=10)[0]
+    cfg = SpecFitConfig(max_new_tokens=8, do_sample=False, policy="autoregressive", return_dict_in_generate=True)
+    out = target.generate(ids, assistant_model=tiny_llama(4, layers=1), generation_config=cfg)
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=8))
+    assert all(c.nodes_drafted == 0 and c.tokens_committed == 1 for c in out.cycles)
+
+
+def test_batch_size_above_one_is_rejected(targets):
+    target = targets["llama"]
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(ids, assistant_model=target, generation_config=SpecFitConfig(max_new_tokens=4))
+
+
+def test_unknown_policy_is_rejected(targets):
+    target = targets["llama"]
+    with pytest.raises(ValueError, match="unknown selection policy"):
+        target.generate(prompts(1)[0], assistant_model=target,
+                        generation_config=SpecFitConfig(max_new_tokens=4, policy="no-such-policy"))
+
+
+def test_stock_generation_unchanged(targets):
+    """Without a SpecFitConfig, generate takes transformers' own paths with identical results."""
+    target = targets["llama"]
+    draft = tiny_llama(11, layers=1)
+    assert hf_integration.is_installed()
+    ids = prompts(1, seed=12)[0]
+    with_wrapper = {
+        "greedy": target.generate(ids, do_sample=False, max_new_tokens=10),
+        "assisted": target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=10),
+        "assisted_cfg": target.generate(ids, assistant_model=draft,
+                                         generation_config=GenerationConfig(max_new_tokens=10, do_sample=False)),
+    }
+    torch.manual_seed(0)
+    with_wrapper["sample"] = target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=10)
+    hf_integration.uninstall()
+    try:
+        assert not hf_integration.is_installed()
+        original = {
+            "greedy": target.generate(ids, do_sample=False, max_new_tokens=10),
+            "assisted": target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=10),
+            "assisted_cfg": target.generate(ids, assistant_model=draft,
+                                            generation_config=GenerationConfig(max_new_tokens=10, do_sample=False)),
+        }
+        torch.manual_seed(0)
+        original["sample"] = target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=10)
+    finally:
+        hf_integration.install()
+    for key in original:
+        assert torch.equal(with_wrapper[key], original[key]), key
+    # The wrapper is a pure delegation for non-SpecFit configs: a mismatched-vocab draft
+    # is still rejected by transformers' own validation.
+    other_vocab = tiny_llama(13, layers=1, vocab=VOCAB + 8)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        target.generate(ids, assistant_model=other_vocab, do_sample=False, max_new_tokens=4)
+    assert "specfit_hf" in GenerationMixin._assisted_decoding.__module__
+
+
+def test_padded_draft_vocab_is_accepted_for_specfit(targets):
+    target = targets["llama"]
+    draft = tiny_llama(14, layers=1, vocab=VOCAB + 8)  # e.g. a padded embedding matrix
+    ids = prompts(1, seed=14)[0]
+    cfg = SpecFitConfig(max_new_tokens=10, do_sample=False, max_depth=3, tree_top_k=4, max_verify_nodes=10)
+    out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
+
+
+def test_config_defaults_and_round_trip(tmp_path):
+    cfg = SpecFitConfig()
+    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "eagle3")
+    cfg = SpecFitConfig(max_depth=5, tree_top_k=4, max_verify_nodes=32, policy="eagle3",
+                        policy_kwargs={"alpha": 0.5}, max_new_tokens=7, do_sample=True, top_k=20)
+    d = cfg.to_dict()
+    assert d["max_depth"] == 5 and d["tree_top_k"] == 4 and d["top_k"] == 20 and d["policy_kwargs"] == {"alpha": 0.5}
+    assert SpecFitConfig.from_dict(d) == cfg
+    cfg.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["max_verify_nodes"] == 32 and saved["policy"] == "eagle3"
+    loaded = SpecFitConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, SpecFitConfig) and loaded.tree_settings() == cfg.tree_settings()
+    assert loaded.max_new_tokens == 7 and loaded.top_k == 20
+    with pytest.raises(ValueError):
+        SpecFitConfig(max_depth=0)
+
+
+def _has_offload_runtime() -> bool:
+    try:
+        from specfit_hf.offload import offload_experts  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_offload_runtime(), reason="specfit_hf.offload.offload_experts not available yet")
+def test_greedy_with_offloaded_experts():
+    from specfit_hf.offload import get_runtime, offload_experts
+
+    target = tiny_qwen3_moe(0)
+    refs = [(ids, target.generate(ids, do_sample=False, max_new_tokens=12)) for ids in prompts(5, seed=15)]
+    runtime = offload_experts(target, device="cpu", slots_per_layer=3)
+    try:
+        for ids, ref in refs:
+            cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, max_depth=4, tree_top_k=3, max_verify_nodes=10,
+                                return_dict_in_generate=True)
+            out = target.generate(ids, assistant_model=noisy_copy(tiny_qwen3_moe(0)), generation_config=cfg)
+            assert torch.equal(out.sequences, ref)
+            loaded = [c.experts_loaded for c in out.cycles]
+            assert all(x is not None and x >= 0 for x in loaded)
+            assert sum(loaded) > 0
+    finally:
+        get_runtime(target).detach()
+        del runtime
