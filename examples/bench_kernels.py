@@ -140,6 +140,9 @@ def bench_shape(shape, token_counts, dtype, device, warmup, iters, kernel_fn, pr
         with torch.no_grad():
             ours = kernel_fn(hidden, w_gate_up, w_down, slot_ids, weights)
             deterministic = torch.equal(ours, kernel_fn(hidden, w_gate_up, w_down, slot_ids, weights))
+            # The last token computed alone must equal its row of the batch (verify == plain decode).
+            alone = kernel_fn(hidden[-1:], w_gate_up, w_down, slot_ids[-1:], weights[-1:])
+            batch_invariant = torch.equal(alone[0], ours[-1])
             baseline = modules["grouped_mm"](hidden, slot_ids, weights)
             max_diff = (ours.float() - baseline.float()).abs().max().item()
             for impl, fn in calls.items():
@@ -147,7 +150,10 @@ def bench_shape(shape, token_counts, dtype, device, warmup, iters, kernel_fn, pr
                     rows.append((num_tokens, impl, None, touched, f"skipped: gathers {gathered / 2**30:.0f} GiB"))
                     continue
                 us = time_call(fn, device.type, warmup, iters)
-                note = f"max|diff vs grouped_mm| {max_diff:.2e}, bitwise repeatable {deterministic}"
+                note = (
+                    f"max|diff vs grouped_mm| {max_diff:.2e}, batch-invariant {batch_invariant}, "
+                    f"bitwise repeatable {deterministic}"
+                )
                 rows.append((num_tokens, impl, us, touched, note if impl == "specfit_triton" else ""))
         progress.update(1)
     return rows
@@ -170,6 +176,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--block-n", type=int, help="override KernelConfig.block_n (power of two >= 16)")
+    parser.add_argument("--block-k", type=int, help="override KernelConfig.block_k (power of two >= 16)")
+    parser.add_argument("--num-warps", type=int, help="override KernelConfig.num_warps")
+    parser.add_argument("--num-stages", type=int, help="override KernelConfig.num_stages")
     args = parser.parse_args(argv)
 
     if args.dry_run:
@@ -192,14 +202,30 @@ def main(argv=None) -> int:
         device, shapes, token_counts = torch.device("cuda"), [SHAPES[m] for m in args.models], args.tokens
         warmup, iters = args.warmup, args.iters
         print(f"device: {torch.cuda.get_device_name()}")
-    from specfit_kernels.fused_moe import INTERPRETED, fused_experts_triton
+    import dataclasses
+    import functools
+
+    from specfit_kernels.fused_moe import INTERPRETED, default_config, fused_experts_triton
 
     if args.dry_run and not INTERPRETED:
         raise RuntimeError("dry run: the kernel module was imported before TRITON_INTERPRET was set")
     dtype = getattr(torch, args.dtype)
+    overrides = {
+        field: value
+        for field, value in (
+            ("block_n", args.block_n),
+            ("block_k", args.block_k),
+            ("num_warps", args.num_warps),
+            ("num_stages", args.num_stages),
+        )
+        if value is not None
+    }
+    config = dataclasses.replace(default_config(dtype), **overrides)
+    print(f"kernel config: {config}")
+    kernel_fn = functools.partial(fused_experts_triton, config=config)
     progress = tqdm(total=len(shapes) * len(token_counts), desc="bench", unit="case", file=sys.stderr)
     for shape in shapes:
-        rows = bench_shape(shape, token_counts, dtype, device, warmup, iters, fused_experts_triton, progress)
+        rows = bench_shape(shape, token_counts, dtype, device, warmup, iters, kernel_fn, progress)
         print_table(shape, dtype, rows)
     progress.close()
     if args.dry_run:

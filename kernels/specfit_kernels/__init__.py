@@ -1,8 +1,9 @@
 """specfit_kernels: Triton kernels for Mixture-of-Experts layers whose experts live in device-cache slots.
 
-Importing this package is cheap (no triton import): the kernel module :mod:`specfit_kernels.fused_moe`
-is loaded on the first Triton call. Importing it registers the ``"specfit_triton"`` experts
-implementation with transformers (adding a key changes no existing behaviour).
+Importing this package does not import the kernel module :mod:`specfit_kernels.fused_moe` (it is
+loaded on the first Triton call). It registers the ``"specfit_triton"`` experts implementation with
+transformers (adding a key changes no existing behaviour); that imports
+``transformers.integrations.moe``, which itself imports triton where it is installed.
 
 Public API:
     fused_experts             -- Triton on CUDA, torch elsewhere (``backend=`` to force one)

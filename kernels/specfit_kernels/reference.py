@@ -105,6 +105,8 @@ def check_inputs(
         raise ValueError(f"slot_ids must be [T={num_tokens}, k], got {tuple(slot_ids.shape)}")
     if slot_ids.dtype.is_floating_point or slot_ids.dtype == torch.bool:
         raise TypeError(f"slot_ids must be an integer tensor, got {slot_ids.dtype}")
+    if not weights.dtype.is_floating_point:
+        raise TypeError(f"weights must be floating point, got {weights.dtype}")
     if weights.shape != slot_ids.shape:
         raise ValueError(f"weights {tuple(weights.shape)} must match slot_ids {tuple(slot_ids.shape)}")
     if gate_up_bias is not None and tuple(gate_up_bias.shape) != (num_slots, 2 * inter):
