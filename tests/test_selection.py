@@ -1,0 +1,312 @@
+"""SpecFit selection: acceptance calibration, cost calibration, expert predictors, policies."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from specfit_hf.selection import (
+    AcceptanceCalibrator,
+    CostModel,
+    CycleContext,
+    HistoryPredictor,
+    OnlineCostModel,
+    OracleProbe,
+    SpecFitPolicy,
+    UnionQuality,
+    available_policies,
+    calibrate,
+    fit_cost_model,
+    get_policy,
+    path_acceptance,
+    register_policy,
+)
+from specfit_hf.selection.acceptance import acceptance_outcomes
+from specfit_hf.tree import DraftTree, Selection, VerifyResult
+
+
+# ---------------------------------------------------------------- acceptance
+def test_calibrator_learns_an_overconfident_draft():
+    rng = np.random.default_rng(0)
+    cal = AcceptanceCalibrator(num_bins=10, depth_aware=False)
+    p = rng.random(20000)
+    accepted = rng.random(p.size) < 0.5 * p  # the draft is twice as confident as it should be
+    for chunk in range(0, p.size, 1000):
+        cal.update(p[chunk:chunk + 1000], accepted[chunk:chunk + 1000])
+    grid = np.linspace(0.05, 0.95, 10)
+    est = cal(grid)
+    assert np.all(np.diff(est) >= -1e-12)  # isotonic
+    assert np.max(np.abs(est - 0.5 * grid)) < 0.05
+
+
+def test_calibrator_prior_is_identity_and_monotone_after_noise():
+    cal = AcceptanceCalibrator(num_bins=4, depth_aware=False)
+    assert cal([0.1, 0.9]).tolist() == pytest.approx([0.125, 0.875])
+    cal.update([0.9, 0.9, 0.9], [False, False, False])  # a violator gets pooled with its neighbour
+    assert np.all(np.diff(cal(np.array([0.1, 0.4, 0.6, 0.9]))) >= -1e-12)
+
+
+def _tree() -> DraftTree:
+    tree = DraftTree(root_token=5)
+    tree.add_level(torch.tensor([10, 11]), torch.tensor([-1, -1]), torch.tensor([0.8, 0.1]))
+    tree.add_level(torch.tensor([12, 13]), torch.tensor([0, 0]), torch.tensor([0.7, 0.2]))
+    tree.add_level(torch.tensor([14]), torch.tensor([2]), torch.tensor([0.05]))
+    return tree
+
+
+def test_path_acceptance_and_outcomes():
+    tree = _tree()
+    path = path_acceptance(tree, np.array([0.5, 0.1, 0.5, 0.2, 0.5]))
+    assert path.tolist() == pytest.approx([0.5, 0.1, 0.25, 0.1, 0.125])
+    sel = Selection(nodes=torch.tensor([0, 1, 2, 3, 4]))
+    result = VerifyResult(accepted=[0, 3], accepted_positions=[0, 1, 4], new_tokens=[10, 13, 7], bonus_token=7)
+    seen, acc = acceptance_outcomes(tree, sel, result)
+    # node 4's parent (2) was rejected: its outcome is not observed
+    assert seen.tolist() == [0, 1, 2, 3]
+    assert acc.tolist() == [True, False, False, True]
+
+
+# ---------------------------------------------------------------- cost model
+def test_fit_cost_model_recovers_parameters():
+    rng = np.random.default_rng(1)
+    truth = CostModel(t0=0.012, t_token=0.0015, t_expert=0.0004)
+    samples = []
+    for _ in range(200):
+        n = int(rng.integers(1, 64))
+        misses = int(rng.integers(0, 400))
+        samples.append((n, misses, truth.predict(n, misses) * (1 + 0.01 * rng.standard_normal())))
+    fit = fit_cost_model(samples)
+    assert fit.t0 == pytest.approx(truth.t0, rel=0.05)
+    assert fit.t_token == pytest.approx(truth.t_token, rel=0.05)
+    assert fit.t_expert == pytest.approx(truth.t_expert, rel=0.05)
+
+
+def test_online_cost_model_moves_from_prior_to_data():
+    truth = CostModel(t0=0.02, t_token=0.002, t_expert=0.001)
+    online = OnlineCostModel(CostModel(t0=0.001, t_token=0.0001, t_expert=0.0001), window=64, prior_weight=0.01)
+    rng = np.random.default_rng(2)
+    for _ in range(64):
+        n, m = int(rng.integers(1, 20)), int(rng.integers(0, 50))
+        online.add(n, m, truth.predict(n, m), predicted=online.model.predict(n, m))
+    assert online.model.t0 == pytest.approx(truth.t0, rel=0.1)
+    assert online.model.t_expert == pytest.approx(truth.t_expert, rel=0.1)
+    assert online.mape > 0
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class _FakeRuntime:
+    """Experts resident per layer; a forward over n tokens touches experts 0..(2n-1) of 2 layers."""
+
+    def __init__(self):
+        self.resident = set()
+        self.stats = SimpleNamespace(total=SimpleNamespace(misses=0))
+
+    def flush(self):
+        self.resident.clear()
+
+    def touch(self, n):
+        needed = {(layer, e) for layer in range(2) for e in range(min(2 * n, 16))}
+        new = needed - self.resident
+        self.stats.total.misses += len(new)
+        self.resident |= needed
+        return len(new)
+
+
+class _FakeModel(torch.nn.Module):
+    def __init__(self, truth, clock, runtime):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(vocab_size=50)
+        self.truth, self.clock, self.runtime = truth, clock, runtime
+
+    def forward(self, input_ids, past_key_values=None, position_ids=None, use_cache=True):
+        n = input_ids.shape[1]
+        misses = self.runtime.touch(n)
+        self.clock.now += self.truth.predict(n, misses)
+        return SimpleNamespace(past_key_values={"len": n})
+
+
+def test_calibrate_recovers_synthetic_parameters():
+    truth = CostModel(t0=0.01, t_token=0.002, t_expert=0.0005)
+    clock, runtime = _FakeClock(), _FakeRuntime()
+    model = _FakeModel(truth, clock, runtime)
+    fit, samples = calibrate(model, None, runtime, clock=clock, return_samples=True)
+    assert any(s[1] > 0 for s in samples) and any(s[1] == 0 for s in samples)  # cold and warm runs
+    assert fit.t0 == pytest.approx(truth.t0, rel=1e-6)
+    assert fit.t_token == pytest.approx(truth.t_token, rel=1e-6)
+    assert fit.t_expert == pytest.approx(truth.t_expert, rel=1e-6)
+
+
+# ---------------------------------------------------------------- predictors
+def test_union_quality_counts():
+    q = UnionQuality()
+    predicted = np.array([[[0, 1]], [[2, -1]]])  # 2 rows, 1 layer
+    actual = np.array([[[0, 3]], [[3, 4]]])
+    q.add(predicted, actual)
+    assert q.recall == pytest.approx(1 / 3)  # actual union {0, 3, 4}
+    assert q.precision == pytest.approx(1 / 3)  # predicted union {0, 1, 2}
+
+
+def test_history_predictor_learns_token_routing():
+    runtime = SimpleNamespace(moe_layers=[0, 1], num_experts=8, top_k=2)
+    pred = HistoryPredictor(runtime)
+    tree = _tree()
+    before = pred.predict(tree, None, np.array([0, 1]))
+    assert (before < 0).all()  # nothing known yet, no fallback
+    routing = np.array([[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
+    pred.observe(np.array([10, 11]), routing)
+    after = pred.predict(tree, None, np.array([0, 1, 2]))
+    assert sorted(after[0, 0].tolist()) == [1, 2] and sorted(after[1, 1].tolist()) == [0, 7]
+    assert (after[2] >= 0).all()  # unseen token 12: global frequencies
+
+
+# ---------------------------------------------------------------- policies
+def _ctx(max_depth=4, **kwargs):
+    config = SimpleNamespace(max_depth=max_depth, max_verify_nodes=8, policy_kwargs=kwargs)
+    return config, CycleContext(target=None, runtime=None, config=config)
+
+
+def test_registry_has_the_policies():
+    assert {"specfit", "eagle3", "autoregressive", "oracle"} <= set(available_policies())
+
+
+def test_specfit_without_runtime_selects_and_stops():
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), adaptive_drafting=False)
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    tree = DraftTree(root_token=5)
+    first = policy.select(tree, ctx)
+    assert len(first) == 0 and not first.stop
+    tree.add_level(torch.tensor([10, 11]), torch.tensor([-1, -1]), torch.tensor([0.9, 0.05]))
+    sel = policy.select(tree, ctx)
+    assert 0 in sel.nodes.tolist() and not sel.stop  # the likely child is worth verifying
+    assert sel.expected_tokens > 1 and math.isfinite(sel.throughput)
+    tree.add_level(torch.tensor([12]), torch.tensor([1]), torch.tensor([0.01]))  # only an unlikely grandchild
+    sel = policy.select(tree, ctx)
+    assert sel.stop and 2 not in sel.nodes.tolist()  # stop rule: newest level not selected
+    assert sel.predicted_time == pytest.approx(0.01 + 0.001 * (len(sel) + 1))
+
+
+def test_specfit_stops_at_max_depth():
+    config, ctx = _ctx(max_depth=1, cost=CostModel(t0=0.01, t_token=0.0, t_expert=0.0))
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    tree = DraftTree(root_token=5)
+    tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
+    sel = policy.select(tree, ctx)
+    assert sel.nodes.tolist() == [0] and sel.stop
+
+
+def test_oracle_needs_a_probe_and_uses_the_truth():
+    config, ctx = _ctx(max_depth=3, cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
+    policy = get_policy("oracle", config)
+    policy.reset(ctx)
+    tree = _tree()
+    with pytest.raises(ValueError, match="oracle_probe"):
+        policy.select(tree, ctx)
+    # the target continues 5 -> 10 -> 12 -> 99: nodes 0 and 2 are right, 4 (token 14) is wrong
+    target_tokens = torch.tensor([10, 12, 0, 99, 0, 0])
+    ctx.extras["oracle_probe"] = lambda t: OracleProbe(target_tokens=target_tokens)
+    sel = policy.select(tree, ctx)
+    assert sel.nodes.tolist() == [0, 2] and sel.stop and sel.expected_tokens == 3.0
+
+
+# ---------------------------------------------------------------- generation
+def _tiny_moe(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked next-token distributions, as a trained model's
+    return model
+
+
+def _noisy_copy(model, scale=0.3, seed=1):
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * p.std() * torch.randn_like(p))
+    return draft
+
+
+_CAPTURED: list[SpecFitPolicy] = []
+
+
+@register_policy("specfit-test-capture")
+class _CapturingSpecFit(SpecFitPolicy):
+    """The specfit policy, remembered so a test can read its online figures."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _CAPTURED.append(self)
+
+
+@pytest.fixture(scope="module")
+def offloaded_pair():
+    from specfit_hf import EmulatedLink, offload_experts
+
+    target = _tiny_moe()
+    draft = _noisy_copy(target)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=3, link=EmulatedLink(gbps=1.0, latency_us=20))
+    yield target, draft, runtime
+    runtime.detach()
+
+
+def test_specfit_generation_is_greedy_lossless_and_learns(offloaded_pair):
+    from specfit_hf.generation import SpecFitConfig
+
+    target, draft, runtime = offloaded_pair
+    _CAPTURED.clear()
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        ids = torch.randint(0, 64, (1, 6 + i), generator=g)
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+        cfg = SpecFitConfig(
+            max_new_tokens=20, do_sample=False, max_depth=4, tree_top_k=3, policy="specfit-test-capture",
+            return_dict_in_generate=True,
+            policy_kwargs={"adaptive_drafting": False, "measure_predictors": ["router", "history", "history+router"]},
+        )
+        out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+        assert torch.equal(out.sequences, ref)
+        assert any(c.nodes_verified > 0 for c in out.cycles)
+        assert all(math.isfinite(c.predicted_time) for c in out.cycles)
+    report = _CAPTURED[-1].report()
+    assert report["acceptance_observations"] > 0
+    assert math.isfinite(report["cycle_time_mape_percent"])
+    quality = report["expert_union"]
+    assert quality["policy"]["blocks"] > 0
+    # floor: the learned routing history must beat guessing; with 8 experts, top-2 and
+    # 3-5 verified rows per block, random guesses recall about half the union
+    assert quality["history+router"]["recall"] >= 0.5
+    assert quality["history"]["recall"] >= 0.5
+
+
+def test_specfit_without_runtime_is_lossless():
+    from specfit_hf.generation import SpecFitConfig
+
+    target = _tiny_moe(3)
+    draft = _noisy_copy(target, seed=4)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, max_depth=3, tree_top_k=2, policy="specfit")
+    out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+    assert torch.equal(out, ref)
