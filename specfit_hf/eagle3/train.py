@@ -29,6 +29,7 @@ import math
 import os
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -271,39 +272,39 @@ def eagle3_loss(
     teacher_logits = teacher.logits.float()
     in_vocab = t2d[teacher_logits.argmax(-1)]  # [B, T]
     teacher_logp = torch.log_softmax(teacher_logits[..., t2d], dim=-1)  # draft-vocab order
-    slot = torch.arange(t, device=input_ids.device)
+    teacher_p = teacher_logp.exp()
+    teacher_top = teacher_logp.argmax(-1)
     total = teacher_logits.new_zeros(())
     step_losses, step_acc = [], []
     expert_total = teacher_logits.new_zeros(())
     recall_hits = recall_count = 0.0
     for j, (hidden, logits) in enumerate(outputs):
-        # slot i predicts x_{i+2+j}: teacher row i+1+j, valid while i+1+j <= T-1
+        # slot i predicts x_{i+2+j} (teacher row i+1+j): slots 0 .. T-2-j are valid
         rows = j + 1
-        valid = (slot + rows <= t - 1)[None].expand(b, -1) & _shift_left(in_vocab, rows, fill=False)
-        tgt = _shift_left(teacher_logp, rows)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        ce = -(tgt.exp() * logp).sum(-1)
+        n = t - rows
+        valid = in_vocab[:, rows:]
+        logp = torch.log_softmax(logits[:, :n].float(), dim=-1)
+        ce = -(teacher_p[:, rows:] * logp).sum(-1)
         denom = valid.sum().clamp(min=1)
         step_loss = (ce * valid).sum() / denom
         total = total + (decay**j) * step_loss
         step_losses.append(float(step_loss.detach()))
         with torch.no_grad():
-            hit = (logits.argmax(-1) == tgt.argmax(-1)) & valid
+            hit = (logits[:, :n].argmax(-1) == teacher_top[:, rows:]) & valid
             step_acc.append(float(hit.sum() / denom))
         if teacher.routing is not None and model.expert_heads is not None:
             # the node consumed x_{i+1+j}: the target routed that token at position i+1+j
-            routing = _shift_left(teacher.routing, rows)  # [B, T, L, k]
-            rvalid = (slot + rows <= t - 1)[None].expand(b, -1)
-            pred = model.expert_logits(hidden.detach())  # [B, T, L, E]
+            routing = teacher.routing[:, rows:]  # [B, n, L, k]
+            pred = model.expert_logits(hidden[:, :n].detach())  # [B, n, L, E]
             target_hot = torch.zeros_like(pred).scatter_(-1, routing, 1.0)
-            bce = F.binary_cross_entropy_with_logits(pred.float(), target_hot.float(), reduction="none").mean((-1, -2))
-            expert_total = expert_total + (decay**j) * (bce * rvalid).sum() / rvalid.sum().clamp(min=1)
+            bce = F.binary_cross_entropy_with_logits(pred.float(), target_hot.float())
+            expert_total = expert_total + (decay**j) * bce
             with torch.no_grad():
                 k = routing.shape[-1]
                 top = pred.topk(k, dim=-1).indices
-                hits = (top[..., :, None] == routing[..., None, :]).any(-1).sum(-1).float()  # [B,T,L]
-                recall_hits += float((hits.mean(-1) * rvalid).sum()) / k
-                recall_count += float(rvalid.sum())
+                hits = (top[..., :, None] == routing[..., None, :]).any(-1).sum(-1).float()  # [B, n, L]
+                recall_hits += float(hits.mean(-1).sum()) / k
+                recall_count += float(hits.shape[0] * hits.shape[1])
     loss = total
     expert_loss = float("nan")
     if teacher.routing is not None and model.expert_heads is not None:
@@ -543,6 +544,13 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
     draft.attach_target_embeddings(target)
     draft.train()
     feature_indices = draft.config.target_feature_indices(num_layers)
+    if len(set(feature_indices)) < len(feature_indices):
+        # e.g. L = 6 gives (2, 3, 3): legal (the engines' default) but one feature is wasted.
+        warnings.warn(
+            f"target feature layers {feature_indices} repeat a layer for this {num_layers}-layer target; "
+            "consider explicit --layers (HF hidden_states indices)",
+            stacklevel=2,
+        )
     teacher = TargetTeacher(target, feature_indices, draft.expert_moe_layers if draft.expert_heads is not None else None)
 
     params = [p for n, p in draft.named_parameters() if p.requires_grad and not n.startswith("embed_tokens")]
