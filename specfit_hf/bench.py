@@ -1,0 +1,442 @@
+"""Side-by-side benchmark of decoding policies on a target with offloaded experts.
+
+One run compares, on the same prompts, seeds and offload settings:
+
+==================  ==========================================================================
+``autoregressive``  stock ``model.generate`` (greedy), experts through the same device cache
+``eagle3-vanilla``  EAGLE-3's dynamic tree (N=60, depth 7, top-k 10) and *no persistent
+                    expert cache*: every verify loads the union of its experts
+``eagle3``          the same tree with the same persistent expert cache as SpecFit
+``eagle3-best``     the best fixed verify size N, tuned on other prompts of the category
+``specfit``         throughput-optimal subtree selection
+``oracle``          selection knowing the true acceptance and experts (upper bound)
+==================  ==========================================================================
+
+For every (category, cache fraction, link regime) cell and every policy it records
+tokens/s (median over runs), speed-ups against each baseline, mean accepted length,
+experts loaded and bytes moved per committed token, predicted vs measured cycle time
+(MAPE), the selection's share of cycle time, and whether the output equals the
+autoregressive output token for token.
+
+On a CPU host the link is emulated (:mod:`specfit_hf.regimes`): the figures show how
+each policy copes with a given ratio of expert-transfer time to decode compute, not
+what a GPU would measure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .generation import SpecFitConfig
+from .offload import EmulatedLink, get_runtime, offload_experts
+from .regimes import REGIMES, LinkRegime, emulated_link_params
+from .selection import available_policies
+
+__all__ = [
+    "Variant",
+    "PromptRun",
+    "default_variants",
+    "measure_cached_step",
+    "link_for_regime",
+    "run_variant",
+    "tune_fixed_n",
+    "run_benchmark",
+    "summarize",
+    "write_report",
+]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One policy column of the benchmark.
+
+    Attributes:
+        label: the name in results (``policy`` field).
+        policy: the selection policy of the SpecFit loop; ``None`` runs stock ``generate``.
+        persistent_cache: keep experts resident across forwards (``False``: flush before
+            every target forward, the "vanilla" setting without an expert cache).
+        config: ``SpecFitConfig`` overrides (tree settings, ``policy_kwargs``).
+    """
+
+    label: str
+    policy: str | None
+    persistent_cache: bool = True
+    config: dict = field(default_factory=dict)
+
+
+EAGLE3_TREE = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
+
+
+def default_variants(best_n: int | None = None, include_oracle: bool = True) -> list[Variant]:
+    """The benchmark's policy columns; ``best_n`` adds the tuned fixed-N EAGLE-3 tree."""
+    variants = [
+        Variant("autoregressive", None),
+        Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=dict(EAGLE3_TREE)),
+        Variant("eagle3", "eagle3", config=dict(EAGLE3_TREE)),
+    ]
+    if best_n is not None:
+        variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(best_n)}))
+    variants.append(Variant("specfit", "specfit", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
+    if include_oracle and "oracle" in available_policies():
+        variants.append(Variant("oracle", "oracle", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
+    return variants
+
+
+@dataclass
+class PromptRun:
+    """One generation of one prompt under one variant."""
+
+    variant: str
+    prompt_index: int
+    run: int
+    new_tokens: list[int]
+    seconds: float
+    cycles: int
+    mean_accepted: float
+    experts_loaded: int
+    bytes_h2d: int
+    predicted_cycle_seconds: list[float] = field(default_factory=list)
+    measured_cycle_seconds: list[float] = field(default_factory=list)
+    select_seconds: float = 0.0
+
+
+@torch.inference_mode()
+def measure_cached_step(target: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 16, repeats: int = 3) -> float:
+    """Median seconds per decode step of ``target`` with every expert resident.
+
+    Call it before attaching the offload runtime (then every expert is on the device).
+    """
+    if get_runtime(target) is not None:
+        raise ValueError("measure the cached decode step before offload_experts() is attached")
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        target.generate(input_ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        prefill_t = time.perf_counter()
+        target.generate(input_ids, do_sample=False, max_new_tokens=1, min_new_tokens=1)
+        one = time.perf_counter() - prefill_t
+        times.append(max(1e-6, (prefill_t - t - one) / (new_tokens - 1)))
+    return statistics.median(times[1:])  # the first run warms up
+
+
+def link_for_regime(regime: LinkRegime | str, runtime: Any, cached_step_seconds: float) -> EmulatedLink:
+    """The emulated link that gives this model ``regime``'s transfer/compute ratio."""
+    if isinstance(regime, str):
+        regime = REGIMES[regime]
+    gbps, latency_us = emulated_link_params(
+        regime,
+        expert_bytes=runtime.expert_bytes,
+        experts_per_token=runtime.top_k * len(runtime.moe_layers),
+        cached_step_seconds=cached_step_seconds,
+    )
+    return EmulatedLink(gbps=gbps, latency_us=latency_us)
+
+
+@torch.inference_mode()
+def run_variant(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    input_ids: torch.Tensor,
+    variant: Variant,
+    max_new_tokens: int,
+    *,
+    prompt_index: int = 0,
+    run: int = 0,
+    seed: int = 0,
+) -> PromptRun:
+    """Generate for one prompt with one variant, from a flushed expert cache."""
+    runtime = get_runtime(target)
+    if runtime is None:
+        raise ValueError("attach offload_experts() to the target first")
+    runtime.flush()
+    runtime.persistent = variant.persistent_cache
+    before = runtime.stats.total.copy()
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    if variant.policy is None:
+        out = target.generate(
+            input_ids, do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True
+        )
+        cycles = []
+    else:
+        config = SpecFitConfig(
+            policy=variant.policy,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            **variant.config,
+        )
+        out = target.generate(input_ids, assistant_model=draft, generation_config=config)
+        cycles = list(out.cycles or [])
+    seconds = time.perf_counter() - t
+    runtime.persistent = True
+    moved = runtime.stats.total - before
+    new = out.sequences[0, input_ids.shape[1]:].tolist()
+    accepted = [c.tokens_committed for c in cycles]
+    return PromptRun(
+        variant=variant.label,
+        prompt_index=prompt_index,
+        run=run,
+        new_tokens=new,
+        seconds=seconds,
+        cycles=len(cycles) if cycles else len(new),
+        mean_accepted=statistics.fmean(accepted) if accepted else 1.0,
+        experts_loaded=int(moved.misses),
+        bytes_h2d=int(moved.bytes_h2d),
+        predicted_cycle_seconds=[c.predicted_time for c in cycles],
+        measured_cycle_seconds=[c.cycle_seconds for c in cycles],
+        select_seconds=sum(c.select_seconds for c in cycles),
+    )
+
+
+def _tokens_per_second(runs: Iterable[PromptRun]) -> float:
+    runs = list(runs)
+    seconds = sum(r.seconds for r in runs)
+    return sum(len(r.new_tokens) for r in runs) / seconds if seconds > 0 else float("nan")
+
+
+def tune_fixed_n(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts_ids: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    candidates: Sequence[int] = (4, 8, 16, 32, 60),
+) -> tuple[int, dict[int, float]]:
+    """The verify size N of the EAGLE-3 tree with the best tokens/s on ``prompts_ids``.
+
+    Use prompts disjoint from the evaluation prompts (the benchmark takes them from
+    further down the same split).
+    """
+    scores: dict[int, float] = {}
+    for n in candidates:
+        variant = Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(n)})
+        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i) for i, ids in enumerate(prompts_ids)]
+        scores[n] = _tokens_per_second(runs)
+    best = max(scores, key=lambda n: scores[n])
+    return best, scores
+
+
+def _mape(predicted: list[float], measured: list[float]) -> float:
+    pairs = [(p, m) for p, m in zip(predicted, measured) if not math.isnan(p) and m > 0]
+    if not pairs:
+        return float("nan")
+    return 100.0 * statistics.fmean(abs(p - m) / m for p, m in pairs)
+
+
+def summarize(
+    runs: list[PromptRun], reference: dict[int, list[int]], baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3")
+) -> dict[str, dict[str, Any]]:
+    """Per-variant metrics of one cell; ``reference`` maps prompt index -> autoregressive tokens."""
+    by_variant: dict[str, list[PromptRun]] = {}
+    for r in runs:
+        by_variant.setdefault(r.variant, []).append(r)
+    rows: dict[str, dict[str, Any]] = {}
+    for label, vruns in by_variant.items():
+        per_run = {}
+        for r in vruns:
+            per_run.setdefault(r.run, []).append(r)
+        tps_runs = [_tokens_per_second(rs) for rs in per_run.values()]
+        committed = sum(len(r.new_tokens) for r in vruns)
+        cycle_records = [r for r in vruns if r.measured_cycle_seconds]
+        cycle_seconds = sum(sum(r.measured_cycle_seconds) for r in cycle_records)
+        rows[label] = {
+            "tokens_per_s": statistics.median(tps_runs),
+            "tokens_per_s_runs": tps_runs,
+            "mean_accepted": statistics.fmean(len(r.new_tokens) / max(1, r.cycles) for r in vruns),
+            "experts_loaded_per_token": sum(r.experts_loaded for r in vruns) / max(1, committed),
+            "bytes_per_token": sum(r.bytes_h2d for r in vruns) / max(1, committed),
+            "cycle_time_mape_pct": _mape(
+                [p for r in vruns for p in r.predicted_cycle_seconds], [m for r in vruns for m in r.measured_cycle_seconds]
+            ),
+            "selection_overhead_share": (
+                sum(r.select_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
+            ),
+            "outputs_identical_to_autoregressive": all(r.new_tokens == reference[r.prompt_index] for r in vruns),
+            "generations": len(vruns),
+        }
+    for label, row in rows.items():
+        for base in baselines:
+            if base in rows and base != label:
+                row[f"speedup_vs_{base}"] = row["tokens_per_s"] / rows[base]["tokens_per_s"]
+    return rows
+
+
+def run_benchmark(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    tokenizer: Any,
+    prompts: dict[str, list[str]],
+    *,
+    cache_fractions: Sequence[float] = (0.25, 0.5, 0.75),
+    links: Sequence[str | LinkRegime] = ("qwen3-pcie4",),
+    variants: Sequence[Variant] | None = None,
+    runs: int = 1,
+    max_new_tokens: int = 48,
+    tune_prompts: dict[str, list[str]] | None = None,
+    tune_candidates: Sequence[int] = (4, 8, 16, 32, 60),
+    offload_policy: str = "lru",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
+
+    Args:
+        prompts: category -> prompt texts.
+        tune_prompts: category -> other prompts used to pick the best fixed N (skipped if None).
+    """
+    if get_runtime(target) is not None:
+        raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
+    ids = {c: [tokenizer(p, return_tensors="pt").input_ids for p in ps] for c, ps in prompts.items()}
+    tune_ids = {c: [tokenizer(p, return_tensors="pt").input_ids for p in ps] for c, ps in (tune_prompts or {}).items()}
+    regimes = [REGIMES[x] if isinstance(x, str) else x for x in links]
+    first = next(iter(ids.values()))[0]
+    cached_step = measure_cached_step(target, first)
+    rows: list[dict[str, Any]] = []
+    cells = [(c, f, regime) for f in cache_fractions for regime in regimes for c in ids]
+    bar = tqdm(total=len(cells), desc="benchmark cells", disable=not progress)
+    tuning: dict[str, Any] = {}
+    for category, fraction, regime in cells:
+        link_name = regime.name
+        runtime = offload_experts(target, device="cpu", cache_fraction=fraction, policy=offload_policy)
+        try:
+            runtime.link = link_for_regime(regime, runtime, cached_step)
+            best_n = None
+            if category in tune_ids:
+                best_n, scores = tune_fixed_n(target, draft, tune_ids[category], max_new_tokens, tune_candidates)
+                tuning[f"{category}/{fraction}/{link_name}"] = {"best_n": best_n, "tokens_per_s": scores}
+            vs = list(variants) if variants is not None else default_variants(best_n)
+            cell_runs: list[PromptRun] = []
+            reference: dict[int, list[int]] = {}
+            inner = tqdm(
+                total=len(vs) * runs * len(ids[category]),
+                desc=f"{category} cache={fraction:g} {link_name}",
+                leave=False,
+                disable=not progress,
+            )
+            for run in range(runs):
+                for v in vs:
+                    for i, x in enumerate(ids[category]):
+                        r = run_variant(target, draft, x, v, max_new_tokens, prompt_index=i, run=run, seed=run)
+                        if v.policy is None and run == 0:
+                            reference[i] = r.new_tokens
+                        cell_runs.append(r)
+                        inner.update()
+            inner.close()
+            if not reference:  # no autoregressive column: use the first variant's output
+                reference = {r.prompt_index: r.new_tokens for r in cell_runs if r.run == 0 and r.variant == vs[0].label}
+            for label, metrics in summarize(cell_runs, reference).items():
+                rows.append(
+                    {"category": category, "cache_fraction": fraction, "link": link_name, "policy": label, **metrics}
+                )
+        finally:
+            runtime.detach()
+        bar.update()
+    bar.close()
+    meta = {
+        "cached_step_seconds": cached_step,
+        "max_new_tokens": max_new_tokens,
+        "runs": runs,
+        "prompts_per_category": {c: len(v) for c, v in ids.items()},
+        "links": {r.name: asdict(r) | {"rho": r.rho} for r in regimes},
+        "offload_policy": offload_policy,
+        "tuning": tuning,
+        "torch_threads": torch.get_num_threads(),
+        "emulated_link": True,
+    }
+    return {"runs": rows, "meta": meta}
+
+
+_TABLE_COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("tok/s", "tokens_per_s", "{:.2f}"),
+    ("x AR", "speedup_vs_autoregressive", "{:.2f}"),
+    ("x EAGLE-3 vanilla", "speedup_vs_eagle3-vanilla", "{:.2f}"),
+    ("x EAGLE-3 same cache", "speedup_vs_eagle3", "{:.2f}"),
+    ("accepted len", "mean_accepted", "{:.2f}"),
+    ("experts/token", "experts_loaded_per_token", "{:.2f}"),
+    ("MB/token", "bytes_per_token", "{:.3f}"),
+    ("cycle MAPE %", "cycle_time_mape_pct", "{:.1f}"),
+    ("select share", "selection_overhead_share", "{:.1%}"),
+    ("identical", "outputs_identical_to_autoregressive", "{}"),
+)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """One markdown table per (category, cache fraction, link) cell."""
+    out = []
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["category"], r["cache_fraction"], r["link"]), []).append(r)
+    for (category, fraction, link), rs in cells.items():
+        out.append(f"\n**{category}**, cache {fraction:.0%} of experts, link `{link}`\n")
+        out.append("| " + " | ".join(h for h, _, _ in _TABLE_COLUMNS) + " |")
+        out.append("|" + "---|" * len(_TABLE_COLUMNS))
+        for r in rs:
+            cells_txt = []
+            for _, key, fmt in _TABLE_COLUMNS:
+                value = r.get(key)
+                if key == "bytes_per_token" and value is not None:
+                    value = value / 1e6
+                if value is None or (isinstance(value, float) and math.isnan(value)):
+                    cells_txt.append("–")
+                else:
+                    cells_txt.append(fmt.format(value))
+            out.append("| " + " | ".join(cells_txt) + " |")
+    return "\n".join(out) + "\n"
+
+
+def write_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md`` and PNG plots to ``out_dir``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=2, default=float))
+    paths["markdown"].write_text(markdown_table(results["runs"]))
+
+    rows = results["runs"]
+    cells = sorted({(r["category"], r["cache_fraction"], r["link"]) for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells) * len(policies) / 3), 4))
+    width = 0.8 / max(1, len(policies))
+    for j, policy in enumerate(policies):
+        ys = []
+        for cell in cells:
+            match = [r for r in rows if (r["category"], r["cache_fraction"], r["link"]) == cell and r["policy"] == policy]
+            ys.append(match[0].get("speedup_vs_autoregressive", 1.0) if match else float("nan"))
+        ax.bar([i + j * width for i in range(len(cells))], ys, width, label=policy)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+    ax.set_xticklabels([f"{c[:5]}\n{f:.0%}\n{link}" for c, f, link in cells], fontsize=7)
+    ax.set_ylabel("speed-up vs autoregressive")
+    ax.set_title("tokens/s relative to autoregressive (emulated link)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths["speedup_png"] = out / "speedup.png"
+    fig.savefig(paths["speedup_png"], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for policy in policies:
+        pr = [r for r in rows if r["policy"] == policy]
+        ax.scatter([r["experts_loaded_per_token"] for r in pr], [r["mean_accepted"] for r in pr], label=policy)
+    ax.set_xlabel("experts loaded per committed token")
+    ax.set_ylabel("mean accepted length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths["accepted_png"] = out / "accepted_vs_experts.png"
+    fig.savefig(paths["accepted_png"], dpi=120)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,245 @@
+"""The ``specfit`` command line: ``generate``, ``bench`` and ``calibrate``.
+
+All three default to the tiny model pair shipped in ``model_cards/`` and, on a host
+without CUDA, to an emulated PCIe link (see :mod:`specfit_hf.regimes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser", "load_pair", "read_prompts_file"]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target folder (default: the embedded tiny Qwen3-MoE)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft folder or a small causal LM (default: embedded)")
+    p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_offload_args(p: argparse.ArgumentParser, default_fraction: float = 0.5) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--offload-slots", type=int, default=None, help="device expert slots per MoE layer")
+    g.add_argument("--cache-fraction", type=float, default=None, help=f"slots as a fraction of experts (default {default_fraction})")
+    p.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth in GB/s (CPU only)")
+    p.add_argument("--link-latency-us", type=float, default=0.0, help="emulated link latency per transfer")
+    p.add_argument(
+        "--link",
+        default="qwen3-pcie4",
+        help="link regime for the emulated link when --link-gbps is not given (see specfit_hf.regimes)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specfit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with an offloaded target and a draft, streaming")
+    _add_model_args(g)
+    _add_offload_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--policy", default="specfit", help="specfit | eagle3 | autoregressive | oracle")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0)
+
+    b = sub.add_parser("bench", help="side-by-side benchmark of decoding policies")
+    _add_model_args(b)
+    b.add_argument("--prompts", default=None, help="jsonl with a `prompt` field or Spec-Bench rows (`turns`, `category`)")
+    b.add_argument("--dataset", action="append", choices=["cnn_dailymail", "gsm8k"], default=None,
+                   help="local dataset(s) from ../shared/data (repeatable; default both when --prompts is absent)")
+    b.add_argument("--num-prompts", type=int, default=8, help="prompts per category")
+    b.add_argument("--tune-prompts", type=int, default=2, help="other prompts per category to tune the best fixed N (0: skip)")
+    b.add_argument("--policies", nargs="+", default=None, help="subset of the variant labels to run")
+    b.add_argument("--cache-fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
+    b.add_argument("--link", nargs="+", default=["qwen3-pcie4"], help="link regimes")
+    b.add_argument("--runs", type=int, default=1)
+    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--max-source-chars", type=int, default=1500, help="shorten articles/questions to this many chars")
+    b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
+
+    c = sub.add_parser("calibrate", help="fit the SpecFit cost model (t0, t_tok, t_exp) on this host and link")
+    _add_model_args(c)
+    _add_offload_args(c)
+    return parser
+
+
+def load_pair(model: str | None, draft: str | None, device: str) -> tuple[Any, Any, Any]:
+    """Target, draft and tokenizer; defaults to the embedded pair."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data import default_model_paths
+
+    defaults = default_model_paths()
+    model_path = Path(model) if model else defaults.target
+    draft_path = Path(draft) if draft else defaults.draft
+    for what, path in (("target", model_path), ("draft", draft_path)):
+        if not path.is_dir():
+            raise SystemExit(f"specfit: {what} folder {path} not found (give --model/--draft)")
+    target = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if (draft_path / "config.json").is_file() and "eagle" in (draft_path / "config.json").read_text().lower():
+        from .eagle3 import Eagle3DraftModel
+
+        draft_model = Eagle3DraftModel.from_pretrained(draft_path).to(device=device, dtype=torch.float32).eval()
+    else:
+        draft_model = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).to(device).eval()
+    return target, draft_model, tokenizer
+
+
+def read_prompts_file(path: str | Path) -> dict[str, list[str]]:
+    """category -> prompts from a jsonl with ``prompt`` rows or Spec-Bench rows (``turns``, ``category``)."""
+    out: dict[str, list[str]] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt" in row:
+                text = row["prompt"]
+            elif "turns" in row and row["turns"]:
+                text = row["turns"][0]
+            else:
+                raise SystemExit(f"specfit: {path}:{n} has neither `prompt` nor `turns`")
+            out.setdefault(str(row.get("category", "prompts")), []).append(text)
+    return out
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    if name:
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise SystemExit("specfit: --device cuda given but CUDA is not available")
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _attach_offload(target: Any, args: argparse.Namespace, device: str, cached_step: float | None = None) -> Any:
+    from .bench import link_for_regime
+    from .offload import EmulatedLink, offload_experts
+
+    kwargs: dict[str, Any] = {}
+    if args.offload_slots is not None:
+        kwargs["slots_per_layer"] = args.offload_slots
+    else:
+        kwargs["cache_fraction"] = args.cache_fraction if args.cache_fraction is not None else 0.5
+    runtime = offload_experts(target, device=device, **kwargs)
+    if device == "cpu":
+        if args.link_gbps is not None:
+            runtime.link = EmulatedLink(gbps=args.link_gbps, latency_us=args.link_latency_us)
+        elif cached_step is not None:
+            runtime.link = link_for_regime(args.link, runtime, cached_step)
+    return runtime
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from .bench import measure_cached_step
+    from .generation import SpecFitConfig
+
+    device = _device(args.device)
+    target, draft, tok = load_pair(args.model, args.draft, device)
+    ids = tok(args.prompt, return_tensors="pt").input_ids.to(device)
+    cached_step = measure_cached_step(target, ids, new_tokens=8, repeats=1) if device == "cpu" and args.link_gbps is None else None
+    runtime = _attach_offload(target, args, device, cached_step)
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    config = SpecFitConfig(policy=args.policy, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **sampling)
+    torch.manual_seed(args.seed)
+    streamer = TextStreamer(tok, skip_prompt=True)
+    runtime.reset_stats()
+    t = time.perf_counter()
+    out = target.generate(ids, assistant_model=draft, generation_config=config, streamer=streamer)
+    seconds = time.perf_counter() - t
+    new = out.sequences.shape[1] - ids.shape[1]
+    cycles = out.cycles or []
+    tau = statistics.fmean(c.tokens_committed for c in cycles) if cycles else float("nan")
+    print(
+        f"\n[{args.policy}] {new} tokens in {seconds:.2f}s = {new / seconds:.2f} tok/s | "
+        f"mean accepted length {tau:.2f} | experts loaded/token {runtime.stats.total.misses / max(1, new):.2f} | "
+        f"link {'emulated ' + str(runtime.link) if runtime.link is not None else device}"
+    )
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import default_variants, run_benchmark, write_report
+    from .data import load_prompts
+
+    device = _device(args.device)
+    if device != "cpu":
+        raise SystemExit("specfit bench runs the emulated-link CPU benchmark; use examples/bench_gpu.py on CUDA hosts")
+    target, draft, tok = load_pair(args.model, args.draft, device)
+    tune: dict[str, list[str]] = {}
+    if args.prompts:
+        prompts = {c: ps[: args.num_prompts] for c, ps in read_prompts_file(args.prompts).items()}
+        if args.tune_prompts:
+            tune = {c: ps[args.num_prompts: args.num_prompts + args.tune_prompts] for c, ps in read_prompts_file(args.prompts).items()}
+            tune = {c: ps for c, ps in tune.items() if ps}
+    else:
+        prompts = {}
+        for ds in args.dataset or ["cnn_dailymail", "gsm8k"]:
+            rows = load_prompts(ds, "test", n=args.num_prompts + args.tune_prompts, max_source_chars=args.max_source_chars)
+            category = rows[0]["category"]
+            prompts[category] = [r["prompt"] for r in rows[: args.num_prompts]]
+            if args.tune_prompts:
+                tune[category] = [r["prompt"] for r in rows[args.num_prompts:]]
+    variants = None
+    if args.policies:
+        variants = [v for v in default_variants(best_n=None) if v.label in args.policies]
+        if "eagle3-best" in args.policies and not tune:
+            raise SystemExit("specfit: eagle3-best needs --tune-prompts > 0")
+    results = run_benchmark(
+        target,
+        draft,
+        tok,
+        prompts,
+        cache_fractions=args.cache_fractions,
+        links=args.link,
+        variants=variants,
+        runs=args.runs,
+        max_new_tokens=args.max_new_tokens,
+        tune_prompts=tune or None,
+    )
+    paths = write_report(results, args.out)
+    print(paths["markdown"].read_text())
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .bench import measure_cached_step
+    from .selection import calibrate
+
+    device = _device(args.device)
+    target, draft, tok = load_pair(args.model, args.draft, device)
+    ids = tok("Question: A farmer has 12 cows and buys 5 more. How many cows?\nAnswer:", return_tensors="pt").input_ids
+    cached_step = measure_cached_step(target, ids.to(device), new_tokens=8, repeats=1) if device == "cpu" else None
+    runtime = _attach_offload(target, args, device, cached_step)
+    cost = calibrate(target, draft, runtime)
+    print(cost)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    handler = {"generate": _cmd_generate, "bench": _cmd_bench, "calibrate": _cmd_calibrate}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

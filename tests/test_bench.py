@@ -1,0 +1,111 @@
+"""The side-by-side benchmark, link regimes and quality metrics on a tiny random MoE."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from specfit_hf.bench import PromptRun, Variant, run_benchmark, summarize, write_report
+from specfit_hf.quality import FinalAnswerAccuracy, Rouge, gsm8k_final_answer
+from specfit_hf.regimes import REGIMES, LinkRegime, emulated_gbps, emulated_link_params
+
+# A regime with a tiny transfer/compute ratio keeps the emulated waits short in tests.
+FAST = LinkRegime("fast-test", "test link", token_expert_bytes=1e6, link_gbps=100.0, cached_step_seconds=1e-3,
+                  expert_bytes=1e5)
+
+
+class CharTokenizer:
+    def __call__(self, text, return_tensors=None):
+        class Out:
+            pass
+
+        out = Out()
+        out.input_ids = torch.tensor([[ord(c) % 96 for c in text]])
+        return out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2)
+    target = Qwen3MoeForCausalLM(cfg).eval()
+    draft = Qwen3MoeForCausalLM(cfg).eval()
+    draft.load_state_dict(target.state_dict())  # a draft equal to the target: long accepted paths
+    return target, draft
+
+
+def test_regime_ratio_carries_over():
+    regime = REGIMES["qwen3-pcie4"]
+    # rho from the public figures: 3.62 GB / 25 GB/s = 145 ms per uncached token
+    assert regime.token_expert_bytes / (regime.link_gbps * 1e9) == pytest.approx(0.1448)
+    gbps, latency_us = emulated_link_params(regime, expert_bytes=1000, experts_per_token=10, cached_step_seconds=0.01)
+    # the emulated link moves one token's experts in rho x the cached step
+    assert 10 * 1000 / (gbps * 1e9) == pytest.approx(regime.rho * 0.01)
+    assert latency_us > 0
+    with pytest.raises(ValueError):
+        emulated_gbps(regime, token_expert_bytes=0, cached_step_seconds=1.0)
+
+
+def test_summarize_speedups_and_identity():
+    runs = [
+        PromptRun("autoregressive", 0, 0, [1, 2, 3, 4], 2.0, 4, 1.0, 8, 800),
+        PromptRun("specfit", 0, 0, [1, 2, 3, 4], 1.0, 2, 2.0, 4, 400, [0.4, 0.5], [0.5, 0.5], 0.1),
+        PromptRun("eagle3", 0, 0, [1, 2, 3, 5], 4.0, 1, 4.0, 16, 1600),
+    ]
+    rows = summarize(runs, {0: [1, 2, 3, 4]})
+    assert rows["specfit"]["tokens_per_s"] == pytest.approx(4.0)
+    assert rows["specfit"]["speedup_vs_autoregressive"] == pytest.approx(2.0)
+    assert rows["specfit"]["speedup_vs_eagle3"] == pytest.approx(4.0)
+    assert rows["specfit"]["experts_loaded_per_token"] == pytest.approx(1.0)
+    assert rows["specfit"]["cycle_time_mape_pct"] == pytest.approx(10.0)
+    assert rows["specfit"]["selection_overhead_share"] == pytest.approx(0.1)
+    assert rows["specfit"]["outputs_identical_to_autoregressive"] is True
+    assert rows["eagle3"]["outputs_identical_to_autoregressive"] is False
+
+
+def test_run_benchmark_grid_and_report(pair, tmp_path):
+    target, draft = pair
+    tree = {"max_verify_nodes": 6, "max_depth": 3, "tree_top_k": 2}
+    variants = [
+        Variant("autoregressive", None),
+        Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=tree),
+        Variant("eagle3", "eagle3", config=tree),
+    ]
+    prompts = {"math_reasoning": ["Question: 2+2?", "Question: why?"], "summarization": ["Article: x y z"]}
+    results = run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.25, 1.0), links=(FAST,),
+                            variants=variants, max_new_tokens=8, progress=False)
+    rows = results["runs"]
+    assert len(rows) == 2 * 2 * 3  # categories x cache fractions x policies
+    for row in rows:
+        for key in ("category", "cache_fraction", "link", "policy", "tokens_per_s", "mean_accepted",
+                    "experts_loaded_per_token", "outputs_identical_to_autoregressive"):
+            assert key in row
+        assert row["outputs_identical_to_autoregressive"] is True  # greedy speculation is lossless
+        assert row["tokens_per_s"] > 0
+    by = {(r["category"], r["cache_fraction"], r["policy"]): r for r in rows}
+    # the draft equals the target, so trees are accepted deeply
+    assert by[("math_reasoning", 0.25, "eagle3")]["mean_accepted"] > 1.5
+    # with every expert resident nothing is loaded after the first touch; without a persistent cache
+    # every verify reloads its union, so vanilla moves at least as much as the cached variant
+    assert by[("math_reasoning", 1.0, "eagle3-vanilla")]["experts_loaded_per_token"] >= \
+        by[("math_reasoning", 1.0, "eagle3")]["experts_loaded_per_token"]
+    paths = write_report(results, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert len(data["runs"]) == len(rows)
+    assert "| policy |" in paths["markdown"].read_text()
+    assert paths["speedup_png"].stat().st_size > 1000
+
+
+def test_quality_metrics():
+    scores = Rouge().compute(predictions=["the cat sat on the mat"], references=["the cat sat on the mat"])
+    assert scores == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
+    partial = Rouge().compute(predictions=["a cat"], references=["the dog"])
+    assert partial["rouge1"] == 0.0
+    acc = FinalAnswerAccuracy().compute(predictions=["so 8\n#### 8", "about 3"], references=["#### 8", "#### 4"])
+    assert acc["accuracy"] == 0.5
+    assert gsm8k_final_answer("She has 1,250 apples") == "1250"
+    assert gsm8k_final_answer("#### 12.50") == "12.5"
+    assert gsm8k_final_answer("no digits") is None

@@ -1,0 +1,42 @@
+"""The `specfit` command line: argument parsing and prompt files."""
+
+import json
+
+import pytest
+
+from specfit_hf.cli import build_parser, read_prompts_file
+
+
+def test_prompt_file_formats(tmp_path):
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "hello"}) + "\n\n" + json.dumps({"prompt": "bye", "category": "x"}) + "\n")
+    assert read_prompts_file(plain) == {"prompts": ["hello"], "x": ["bye"]}
+    specbench = tmp_path / "sb.jsonl"
+    specbench.write_text(json.dumps({"question_id": 1, "category": "math_reasoning", "turns": ["2+2?", "and 3?"]}) + "\n")
+    assert read_prompts_file(specbench) == {"math_reasoning": ["2+2?"]}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "?"}) + "\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        read_prompts_file(bad)
+
+
+def test_parser_defaults_and_exclusive_cache_options():
+    p = build_parser()
+    args = p.parse_args(["generate", "--prompt", "hi"])
+    assert args.policy == "specfit" and args.max_new_tokens == 64 and args.temperature == 0.0
+    args = p.parse_args(["bench", "--cache-fractions", "0.25", "0.5", "--link", "qwen3-pcie4", "qwen3-pcie5"])
+    assert args.cache_fractions == [0.25, 0.5] and args.link == ["qwen3-pcie4", "qwen3-pcie5"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "--prompt", "x", "--offload-slots", "4", "--cache-fraction", "0.5"])
+
+
+def test_spec_bench_file_in_shared_data_parses():
+    from specfit_hf.data import default_data_dir
+
+    try:
+        path = default_data_dir() / "spec_bench" / "question.jsonl"
+    except FileNotFoundError:
+        pytest.skip("shared data not present")
+    prompts = read_prompts_file(path)
+    assert sum(len(v) for v in prompts.values()) == 480
+    assert "summarization" in prompts and "math_reasoning" in prompts
