@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Lazy: `specfit_hf.fused_experts` pulls in specfit_kernels (and triton only on a Triton call)
-    # on first use, so importing specfit_hf stays cheap.
+    # Lazy: `specfit_hf.fused_experts` pulls in specfit_kernels on first use (the Triton kernel
+    # module itself only on the first Triton call), so importing specfit_hf stays cheap.
     if name == "fused_experts":
         from .fused_experts import fused_experts
 
