@@ -10,7 +10,7 @@ parent's draft hidden state and its own token.
 
 Cache policy
 ------------
-The draft cache holds the committed prefix, computed from **target** features, then
+The draft cache (a one-layer :class:`~specfit_hf.generation.cache.SpecFitCache`) holds the committed prefix, computed from **target** features, then
 one slot per tree node (every node is run once, in creation order, so node ``n`` is slot
 ``stable + n``).  ``commit`` gathers the cache back to the committed prefix and queues
 the accepted path's target features; the next cycle's first level runs those pairs and
@@ -141,12 +141,12 @@ class Eagle3TreeDrafter(Drafter):
         feats = st.pending_features
         if feats is None or feats.shape[0] != tokens.numel():
             raise RuntimeError("target features and committed tokens are out of step")
-        past = len(st.cache)
+        past = st.cache.length
         positions = torch.arange(st.next_position, st.next_position + tokens.numel())
         hidden = self.model.project_features(feats.to(self.device))
         mask = causal_mask(tokens.numel(), past, self.dtype, self.device)
         nxt, out = self._run(tokens, hidden, positions, mask)
-        self._stable_len = len(st.cache)
+        self._stable_len = st.cache.length
         self._root_position = int(positions[-1])
         st.pending_tokens = torch.empty(0, dtype=torch.long)
         st.pending_features = None
@@ -164,7 +164,7 @@ class Eagle3TreeDrafter(Drafter):
     def _add_level(self, tree: DraftTree, draft_ids: torch.Tensor, logp: torch.Tensor, parents: torch.Tensor) -> None:
         """Run the new nodes (tokens ``draft_ids`` under ``parents``) and append them to ``tree``."""
         m, n0 = parents.numel(), len(tree)
-        if len(self._state.cache) != self._stable_len + n0:
+        if self._state.cache.length != self._stable_len + n0:
             raise RuntimeError("draft cache and tree are out of step")
         tokens = self.model.draft_to_target(draft_ids.to(self.device)).cpu()
         # ancestor-or-self relation among tree nodes, grown by one block per level

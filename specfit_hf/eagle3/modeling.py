@@ -31,6 +31,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.utils import ModelOutput
 
+from ..generation.cache import SpecFitCache
 from .config import Eagle3Config
 
 __all__ = [
@@ -62,48 +63,27 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
-class DraftKVCache:
-    """The draft's key/value store: one layer, gathered in place when the tree is pruned.
+class DraftKVCache(SpecFitCache):
+    """The draft's key/value store: the loop's :class:`SpecFitCache` with one layer.
 
-    A deliberately small store rather than a ``DynamicCache``: the draft needs only
-    append, read-all and keep-these-slots (``DynamicLayer.crop`` cannot drop the
-    middle of a cache).  Slots are rows in creation order.
+    The draft computes attention itself (its q/k/v read 2·H inputs), so it only needs
+    append / read-all and the cache's gather (``keep``) to drop rejected tree slots.
+    Slots are rows in creation order.
     """
 
-    def __init__(self) -> None:
-        self.key: torch.Tensor | None = None
-        self.value: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.key is None else int(self.key.shape[2])
+    @property
+    def length(self) -> int:
+        """Number of cached slots."""
+        return self.get_seq_length(0) if self.layers else 0
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``[B, nkv, T, D]`` rows; returns the whole store."""
-        if self.key is None:
-            self.key, self.value = key, value
-        else:
-            self.key = torch.cat([self.key, key], dim=2)
-            self.value = torch.cat([self.value, value], dim=2)
-        return self.key, self.value
-
-    def keep(self, slots: torch.Tensor | list[int]) -> None:
-        """Keep only ``slots`` (in the given order); everything else is dropped."""
-        if self.key is None:
-            return
-        slots = torch.as_tensor(slots, dtype=torch.long, device=self.key.device)
-        self.key = self.key.index_select(2, slots)
-        self.value = self.value.index_select(2, slots)
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` slots."""
-        if self.key is not None:
-            self.key = self.key[:, :, :length]
-            self.value = self.value[:, :, :length]
+        return self.update(key, value, 0)
 
     def clone(self) -> "DraftKVCache":
         other = DraftKVCache()
-        if self.key is not None:
-            other.key, other.value = self.key.clone(), self.value.clone()
+        if self.length:
+            other.update(self.layers[0].keys.clone(), self.layers[0].values.clone(), 0)
         return other
 
 
@@ -422,7 +402,7 @@ class Eagle3DraftModel(PreTrainedModel):
             raise ValueError("pass exactly one of target_features or hidden_states")
         hidden = self.project_features(target_features) if target_features is not None else hidden_states
         b, t = input_ids.shape
-        past = len(past_key_values) if past_key_values is not None else 0
+        past = past_key_values.length if past_key_values is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device)
         attn = self.midlayer.self_attn
