@@ -387,3 +387,25 @@ def test_registered_experts_implementation_matches_eager_model(arch, monkeypatch
     assert calls == ["silu" if arch == "qwen3_moe" else "swiglu_oai"] * 2  # one call per layer
     torch.testing.assert_close(torch_path, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_the_kernels_cannot_express_fall_back_to_grouped_mm():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from specfit_kernels.hf import experts_activation
+
+    torch.manual_seed(13)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        hidden_act="gelu",
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    assert experts_activation(model.model.layers[0].mlp.experts) is None
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        want = model(ids).logits
+        model.set_experts_implementation("specfit_triton")
+        got = model(ids).logits  # gelu: the registered forward hands over to transformers' grouped_mm
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
