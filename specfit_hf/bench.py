@@ -159,6 +159,8 @@ def run_variant(
         raise ValueError("attach offload_experts() to the target first")
     runtime.flush()
     runtime.persistent = variant.persistent_cache
+    if input_ids.is_cuda:
+        torch.cuda.synchronize()
     before = runtime.stats.total.copy()
     torch.manual_seed(seed)
     t = time.perf_counter()
@@ -177,6 +179,8 @@ def run_variant(
         )
         out = target.generate(input_ids, assistant_model=draft, generation_config=config)
         cycles = list(out.cycles or [])
+    if out.sequences.is_cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     runtime.persistent = True
     moved = runtime.stats.total - before
@@ -284,30 +288,40 @@ def run_benchmark(
     tune_prompts: dict[str, list[str]] | None = None,
     tune_candidates: Sequence[int] = (4, 8, 16, 32, 60),
     offload_policy: str = "lru",
+    device: str = "cpu",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
 
     Args:
         prompts: category -> prompt texts.
+        links: link regimes emulated on the CPU; ignored on CUDA, where the real link is
+            measured (the rows then say ``link="real"``).
         tune_prompts: category -> other prompts used to pick the best fixed N (skipped if None).
+        device: "cpu" (emulated link) or a CUDA device (real host→device copies).
     """
     if get_runtime(target) is not None:
         raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
-    ids = {c: [tokenizer(p, return_tensors="pt").input_ids for p in ps] for c, ps in prompts.items()}
-    tune_ids = {c: [tokenizer(p, return_tensors="pt").input_ids for p in ps] for c, ps in (tune_prompts or {}).items()}
-    regimes = [REGIMES[x] if isinstance(x, str) else x for x in links]
+    emulated = str(device) == "cpu"
+
+    def encode(texts: list[str]) -> list[torch.Tensor]:
+        return [tokenizer(t, return_tensors="pt").input_ids.to(device) for t in texts]
+
+    ids = {c: encode(ps) for c, ps in prompts.items()}
+    tune_ids = {c: encode(ps) for c, ps in (tune_prompts or {}).items()}
+    regimes: list[LinkRegime | None] = [REGIMES[x] if isinstance(x, str) else x for x in links] if emulated else [None]
     first = next(iter(ids.values()))[0]
-    cached_step = measure_cached_step(target, first)
+    cached_step = measure_cached_step(target, first) if emulated else float("nan")
     rows: list[dict[str, Any]] = []
     cells = [(c, f, regime) for f in cache_fractions for regime in regimes for c in ids]
     bar = tqdm(total=len(cells), desc="benchmark cells", disable=not progress)
     tuning: dict[str, Any] = {}
     for category, fraction, regime in cells:
-        link_name = regime.name
-        runtime = offload_experts(target, device="cpu", cache_fraction=fraction, policy=offload_policy)
+        link_name = regime.name if regime is not None else "real"
+        runtime = offload_experts(target, device=device, cache_fraction=fraction, policy=offload_policy)
         try:
-            runtime.link = link_for_regime(regime, runtime, cached_step)
+            if regime is not None:
+                runtime.link = link_for_regime(regime, runtime, cached_step)
             best_n = None
             if category in tune_ids:
                 best_n, scores = tune_fixed_n(target, draft, tune_ids[category], max_new_tokens, tune_candidates)
@@ -345,11 +359,12 @@ def run_benchmark(
         "max_new_tokens": max_new_tokens,
         "runs": runs,
         "prompts_per_category": {c: len(v) for c, v in ids.items()},
-        "links": {r.name: asdict(r) | {"rho": r.rho} for r in regimes},
+        "links": {r.name: asdict(r) | {"rho": r.rho} for r in regimes if r is not None},
         "offload_policy": offload_policy,
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
-        "emulated_link": True,
+        "emulated_link": emulated,
+        "device": str(device),
     }
     return {"runs": rows, "meta": meta}
 
