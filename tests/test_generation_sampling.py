@@ -1,0 +1,175 @@
+"""Sampling is lossless: committed tokens follow the target's (processed) distribution exactly.
+
+Two levels:
+* ``accept`` on a hand-built tree and fixed target logits, many draws (strong test);
+* ``generate(do_sample=True)`` end to end on a tiny-vocabulary model (wiring test: the
+  standard temperature / top-k / top-p processors reach the tree acceptance).
+Fixed seeds make the outcomes deterministic; alpha = 1e-3 per chi-square test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specfit_hf.generation import Drafter, SpecFitConfig, TreeCandidateGenerator, accept
+from specfit_hf.selection import CycleContext, get_policy
+from specfit_hf.tree import DraftTree
+
+from test_generation import noisy_copy, tiny_llama
+
+ALPHA = 1e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _assert_matches(counts: torch.Tensor, probs: torch.Tensor, what: str) -> None:
+    """Chi-square goodness of fit; categories with zero probability must never occur."""
+    counts = counts.double()
+    probs = probs.double()
+    zero = probs <= 0
+    assert counts[zero].sum() == 0, f"{what}: sampled a token with zero target probability"
+    n = counts.sum()
+    expected = probs[~zero] / probs[~zero].sum() * n
+    stat, pvalue = chisquare(counts[~zero].numpy(), expected.numpy())
+    assert pvalue > ALPHA, f"{what}: chi-square p={pvalue:.2e}\nobserved {counts.tolist()}\nexpected {expected.tolist()}"
+
+
+class ScriptedDrafter(Drafter):
+    """Adds predetermined levels: ``levels[d]`` = (tokens, parents) of depth d+1."""
+
+    def __init__(self, levels):
+        self.levels = levels
+
+    def start(self, prompt_ids, target_features):
+        pass
+
+    def draft_level(self, tree: DraftTree) -> None:
+        tokens, parents = self.levels[tree.num_levels]
+        probs = torch.full((len(tokens),), 0.5)
+        tree.add_level(torch.tensor(tokens), torch.tensor(parents), probs)
+
+    def commit(self, tree, result, target_features):
+        pass
+
+
+def _candidates(levels, max_verify_nodes=100):
+    cfg = SpecFitConfig(max_depth=len(levels), tree_top_k=4, max_verify_nodes=max_verify_nodes)
+    policy = get_policy("eagle3", cfg)
+    ctx = CycleContext(target=None, runtime=None, config=cfg)
+    gen = TreeCandidateGenerator(ScriptedDrafter(levels), policy, ctx, cfg.max_depth, "cpu", torch.float32)
+    return gen.propose(root_token=0, prefix_len=3)
+
+
+# root children: tokens 1, 2, 5 (node 0, 1, 2); node 0 (token 1) has children 3, 1 (nodes 3, 4);
+# node 1 (token 2) has child 4 (node 5).
+LEVELS = [([1, 2, 5], [-1, -1, -1]), ([3, 1, 4], [0, 0, 1])]
+V = 7
+
+
+@pytest.mark.parametrize(
+    "processors",
+    [
+        LogitsProcessorList([TemperatureLogitsWarper(1.0)]),
+        LogitsProcessorList([TemperatureLogitsWarper(0.5)]),
+        LogitsProcessorList([TemperatureLogitsWarper(1.7), TopKLogitsWarper(4)]),
+        LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.85)]),
+    ],
+    ids=["T1", "T0.5", "T1.7-topk4", "T0.8-topp0.85"],
+)
+def test_rejection_sampling_is_lossless(processors):
+    cand = _candidates(LEVELS)
+    g = torch.Generator().manual_seed(1234)
+    logits = torch.randn(cand.input_ids.shape[1], V, generator=g) * 2.0
+    # Make drafted children likely enough that accept and reject paths both occur at two levels.
+    logits[0, 1] += 2.0
+    logits[0, 2] += 1.5
+    logits[1, 3] += 3.0
+    sequence = torch.tensor([[4, 4, 6, 0]])
+    processed = processors(sequence, logits.clone())  # path-independent processors: same rows for every path
+    target = torch.softmax(processed, dim=-1)
+
+    n = 6000
+    first = torch.zeros(V, dtype=torch.long)
+    second_after = {tok: torch.zeros(V, dtype=torch.long) for tok in (1, 2)}  # given an accepted root child
+    accepted_depths = torch.zeros(3, dtype=torch.long)
+    for _ in range(n):
+        res = accept(logits, cand, sequence, processors, do_sample=True, generator=g).result
+        toks = res.new_tokens
+        first[toks[0]] += 1
+        if len(toks) >= 2 and toks[0] in second_after:
+            second_after[toks[0]][toks[1]] += 1
+        accepted_depths[len(res.accepted)] += 1
+    _assert_matches(first, target[0], "first token")
+    # Block row of the node holding token 1 (node 0 -> block 1) and token 2 (node 1 -> block 2).
+    for tok, row in ((1, 1), (2, 2)):
+        assert second_after[tok].sum() > 200, "too few accepted children to test the next level"
+        _assert_matches(second_after[tok], target[row], f"token after accepted child {tok}")
+    assert accepted_depths[1] > 0 and accepted_depths[2] > 0  # the test exercised deep acceptance
+
+
+def test_greedy_accept_follows_argmax():
+    cand = _candidates(LEVELS)
+    logits = torch.full((cand.input_ids.shape[1], V), -5.0)
+    logits[0, 1] = 5.0  # root -> token 1 (node 0, block 1)
+    logits[1, 1] = 5.0  # node 0 -> token 1 (node 4, block 5)
+    logits[5, 6] = 5.0  # bonus 6
+    res = accept(logits, cand, torch.tensor([[0]]), LogitsProcessorList(), do_sample=False).result
+    assert res.new_tokens == [1, 1, 6] and res.bonus_token == 6
+    assert res.accepted == [0, 4] and res.accepted_positions == [0, 1, 5]
+
+
+def _exact_two_token_distribution(model, prompt, processors):
+    """P(t1, t2) under the processed target distribution, by enumeration."""
+    with torch.no_grad():
+        v = model.config.vocab_size
+        l1 = model(prompt).logits[:, -1].float()
+        p1 = torch.softmax(processors(prompt, l1), dim=-1)[0]
+        seqs = torch.cat([prompt.repeat(v, 1), torch.arange(v)[:, None]], dim=1)
+        l2 = model(seqs).logits[:, -1].float()
+        p2 = torch.stack([torch.softmax(processors(seqs[i : i + 1], l2[i : i + 1]), dim=-1)[0] for i in range(v)])
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_generate_sampling_matches_target_distribution(temperature, top_k, top_p):
+    v = 8
+    target = tiny_llama(21, vocab=v)
+    target.generation_config.eos_token_id = None  # every token is an ordinary token here
+    draft = noisy_copy(target, scale=0.5, seed=22)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    # The second token is committed by the tree cycle (the first comes from the prefill).
+    exact = _exact_two_token_distribution(target, prompt, processors).reshape(-1)
+    cfg = SpecFitConfig(max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k or None,
+                        top_p=top_p, max_depth=3, tree_top_k=3, max_verify_nodes=8, pad_token_id=0)
+    torch.manual_seed(0)
+    counts = torch.zeros(v * v, dtype=torch.long)
+    for _ in range(300):
+        out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
+        t1, t2 = out[0, prompt.shape[1]].item(), out[0, prompt.shape[1] + 1].item()
+        counts[t1 * v + t2] += 1
+    # Pool rare outcomes so chi-square expectations stay >= 5.
+    order = torch.argsort(exact, descending=True)
+    expected = exact[order] * counts.sum()
+    keep = int((expected >= 5).sum())
+    pooled_counts = torch.cat([counts[order[:keep]], counts[order[keep:]].sum()[None]])
+    pooled_probs = torch.cat([exact[order[:keep]], exact[order[keep:]].sum()[None]])
+    _assert_matches(pooled_counts, pooled_probs, f"(t1, t2) at T={temperature}")
