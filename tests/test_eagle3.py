@@ -351,3 +351,14 @@ def test_generate_lossless_with_offloaded_experts(target):
     finally:
         runtime.detach()
     assert torch.equal(ref, out)
+
+
+def test_generate_sampling_runs_with_eagle3_draft(target):
+    from specfit_hf.generation import SpecFitConfig
+
+    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    cfg = SpecFitConfig(max_new_tokens=12, do_sample=True, temperature=0.7, max_depth=3, tree_top_k=3, max_verify_nodes=8)
+    torch.manual_seed(0)
+    out = target.generate(prompt, assistant_model=tiny_draft(), generation_config=cfg)
+    assert out.shape == (1, 20) and torch.equal(out[:, :8], prompt)
+    assert int(out.max()) < VOCAB

@@ -161,3 +161,17 @@ def test_cli_trains_from_jsonl(tmp_path, monkeypatch):
     assert (out / "checkpoint" / "trainer_state.pt").is_file()
     draft = Eagle3DraftModel.from_pretrained(out)
     assert draft.config.draft_vocab_size == 32 and draft.expert_heads is not None
+
+
+def test_text_and_jsonl_documents(tmp_path):
+    from specfit_hf.eagle3.train import load_text_dataset
+
+    txt = tmp_path / "a.txt"
+    txt.write_text("first line\nsame paragraph\n\nsecond paragraph\n")
+    assert load_text_dataset([txt]) == ["first line\nsame paragraph", "second paragraph"]
+    js = tmp_path / "b.jsonl"
+    js.write_text(json.dumps({"article": "Some news.", "highlights": "News."}) + "\n" + json.dumps({"text": "plain"}))
+    docs = load_text_dataset([js])
+    assert docs[0].startswith("Article: Some news.") and docs[0].endswith("News.") and docs[1] == "plain"
+    with pytest.raises(ValueError, match="mix"):
+        load_text_dataset([txt, js])

@@ -328,6 +328,8 @@ def _row_text(row: dict, text_field: str | None) -> str:
     if text_field:
         value = row[text_field]
         return "\n".join(value) if isinstance(value, list) else str(value)
+    # datasets unifies the columns of all rows: a field missing from a row reads None
+    row = {k: v for k, v in row.items() if v is not None}
     if "text" in row:
         return str(row["text"])
     from ..data import format_example
@@ -347,7 +349,11 @@ def _row_text(row: dict, text_field: str | None) -> str:
 
 
 def load_text_dataset(paths: Sequence[str], text_field: str | None = None):
-    """Load text (``.txt``: one row per line) or JSON-lines files with ``datasets``."""
+    """Documents from text files (one per blank-line-separated paragraph) or JSON-lines rows.
+
+    Loaded with ``datasets.load_dataset("text", sample_by="paragraph")`` or
+    ``datasets.load_dataset("json")``.
+    """
     from datasets import load_dataset
 
     paths = [str(p) for p in paths]
@@ -355,10 +361,10 @@ def load_text_dataset(paths: Sequence[str], text_field: str | None = None):
     if len(kinds) != 1:
         raise ValueError("mix of JSON and text files; pass one kind per run")
     kind = kinds.pop()
-    ds = load_dataset(kind, data_files=paths, split="train")
     if kind == "text":
-        # Line-per-row text: join consecutive lines back into paragraphs downstream.
-        return [r["text"] for r in ds]
+        ds = load_dataset("text", data_files=paths, split="train", sample_by="paragraph")
+        return [r["text"].strip() for r in ds if r["text"].strip()]
+    ds = load_dataset("json", data_files=paths, split="train")
     return [_row_text(r, text_field) for r in ds]
 
 
