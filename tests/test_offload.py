@@ -248,6 +248,8 @@ def test_lru_miss_counts_match_simulation(arch):
             h2, m2, resident = _simulate_lru(second, num_slots)
             assert (stats.layers[idx].hits, stats.layers[idx].misses) == (h1 + h2, m1 + m2)
             assert runtime.cached_experts(idx) == resident
+            mask = runtime.resident_mask(idx)
+            assert mask.dtype == torch.bool and set(mask.nonzero().flatten().tolist()) == resident
             assert stats.layers[idx].forwards == len(first) + len(second) == 24 + 8
         assert stats.total.misses == sum(stats.layers[i].misses for i in runtime.moe_layers)
         assert stats.total.multi_wave_forwards == 0

@@ -147,6 +147,16 @@ class OffloadRuntime:
     """Handle on a model whose routed experts live in host memory; see ``offload_experts``.
 
     Layer indices everywhere are decoder-layer indices (``model.model.layers[i]``).
+
+    Attributes:
+        moe_layers: decoder-layer indices with routed experts, in order.
+        num_experts, top_k: experts per MoE layer and experts per token.
+        expert_bytes: bytes of one expert (all its per-expert parameters), i.e. one miss.
+        slots_per_layer, policy, device, link: the cache configuration.
+        persistent: True (default) keeps residents across forwards; False flushes the cache at
+            the start of every model forward (hook on the first MoE layer): a "no persistent
+            cache" baseline where every expert of every forward is a miss.
+        stats: ``OffloadStats`` counters (``stats.total.misses`` etc., see ``reset_stats``).
     """
 
     def __init__(self, model: nn.Module, adapter: MoEAdapter, device: torch.device, slots_per_layer: int,
@@ -194,6 +204,10 @@ class OffloadRuntime:
     def cached_experts(self, layer_idx: int) -> set[int]:
         """Experts resident in the device cache of that layer now."""
         return self._layer(layer_idx).cache.resident()
+
+    def resident_mask(self, layer_idx: int) -> torch.Tensor:
+        """Bool [num_experts] (CPU): True where the expert is resident in that layer's cache now."""
+        return torch.from_numpy(self._layer(layer_idx).cache.slot_of >= 0)
 
     def last_routing(self, layer_idx: int) -> Optional[torch.Tensor]:
         """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
