@@ -466,3 +466,37 @@ def test_unsupported_models_name_the_supported_types():
         PhimoeConfig(**{**_COMMON, "num_hidden_layers": 1}, num_local_experts=4, num_experts_per_tok=2))
     with pytest.raises(ValueError, match="qwen3_moe"):
         offload_experts(other_moe, device="cpu", slots_per_layer=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", [False, None])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_cuda_copy_stream_path(arch, fused):
+    """On CUDA: pinned host experts, copy stream, (optionally) the fused kernel; same logits."""
+    model = build_model(arch, seed=9).to("cuda")
+    prompt = PROMPT.to("cuda")
+    with torch.no_grad():
+        ref = model(prompt).logits
+    ref_seq, _ = _greedy_on(model, prompt)
+    runtime = offload_experts(model.to("cpu"), device="cuda", slots_per_layer=TOP_K, use_fused_kernel=fused)
+    try:
+        host = runtime._layers[runtime.moe_layers[0]].host["gate_up_proj"]
+        assert host.device.type == "cpu" and host.is_pinned()
+        with torch.no_grad():
+            got = model(prompt).logits
+        # the Triton kernel may use TF32 / other accumulation orders
+        tol = 1e-5 if not runtime.uses_fused_kernel else 2e-3
+        assert (got - ref).abs().max().item() <= tol
+        seq, _ = _greedy_on(model, prompt)
+        assert torch.equal(seq, ref_seq)
+        stats = runtime.stats.total
+        assert stats.misses > 0 and stats.transfer_seconds > 0 and stats.multi_wave_forwards > 0
+    finally:
+        runtime.detach()
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+
+
+def _greedy_on(model, prompt):
+    out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
