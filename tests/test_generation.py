@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -318,3 +320,34 @@ def test_greedy_with_offloaded_experts():
     finally:
         get_runtime(target).detach()
         del runtime
+
+
+@given(seed=st.integers(0, 10_000), max_new=st.integers(1, 18), eos_at=st.integers(0, 17),
+       tree=st.sampled_from(TREE_SETTINGS[1:]))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_property_eos_and_max_new_tokens(targets, seed, max_new, eos_at, tree):
+    """For any prompt, length budget and eos token (taken from the target's own output so that
+    it falls inside accepted tree paths), tree decoding returns exactly what generate returns."""
+    target = targets["qwen3_moe"]
+    ids = prompts(1, seed=seed)[0]
+    free = target.generate(ids, do_sample=False, max_new_tokens=18)
+    eos = int(free[0, ids.shape[1] + eos_at])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+    cfg = SpecFitConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0, **tree)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg)
+    assert torch.equal(out, expected)
+    new = out[0, ids.shape[1]:].tolist()
+    assert len(new) == max_new or new[-1] == eos
+
+
+def test_prompt_with_pad_tokens_matches_generate(targets):
+    """generate masks prompt tokens equal to pad_token_id; the tree loop must do the same."""
+    target = targets["llama"]
+    ids = torch.tensor([[5, 5, 9, 3, 5, 17, 2]])  # pad 5 appears on the left and inside
+    expected = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=5)
+    unmasked = target.generate(ids, do_sample=False, max_new_tokens=12, attention_mask=torch.ones_like(ids))
+    assert not torch.equal(expected, unmasked)  # the padding really changes the output
+    cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, pad_token_id=5, max_depth=4, tree_top_k=3,
+                        max_verify_nodes=9)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg)
+    assert torch.equal(out, expected)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 __all__ = ["SpecFitCache", "UnsupportedCacheLayerError"]
 
@@ -25,9 +25,13 @@ class UnsupportedCacheLayerError(TypeError):
     """A cache layer kind that cannot keep an arbitrary subset of its positions."""
 
 
-def _check_gatherable(layer: object, index: int) -> None:
+def _check_gatherable(layer: object, index: int) -> bool:
+    """True for a layer holding gatherable keys/values, False for one that stores nothing
+    (``DummyLayer``: KV sharing / attention-free layers); raises for any other kind."""
     if type(layer) is DynamicLayer:
-        return
+        return True
+    if isinstance(layer, DummyLayer):
+        return False
     kind = type(layer).__name__
     if isinstance(layer, DynamicSlidingWindowLayer) or getattr(layer, "is_sliding", False):
         why = "sliding-window layers drop old positions, so a tree's rejected branches cannot be removed"
@@ -74,11 +78,12 @@ class SpecFitCache(DynamicCache):
         if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= seq_len):
             raise IndexError(f"keep(): positions must lie in [0, {seq_len}), got {pos.tolist()}")
         n = pos.numel()
-        if n == seq_len and bool((pos == torch.arange(n)).all()):
-            return
         is_prefix = bool((pos == torch.arange(n)).all())
+        if is_prefix and n == seq_len:
+            return
         for i, layer in enumerate(self.layers):
-            _check_gatherable(layer, i)
+            if not _check_gatherable(layer, i):
+                continue
             if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
                 continue
             if is_prefix:
@@ -109,5 +114,5 @@ class SpecFitCache(DynamicCache):
             raise ValueError(f"crop_to({length}) on a cache of length {self.get_seq_length()}")
         if drop:
             for i, layer in enumerate(self.layers):
-                _check_gatherable(layer, i)
-                layer.crop(-drop)
+                if _check_gatherable(layer, i):
+                    layer.crop(-drop)

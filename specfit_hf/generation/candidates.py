@@ -35,7 +35,7 @@ class TreeCandidates:
         block_parents: ``[1 + n]`` in-block parent index (root: -1).
         depths: ``[1 + n]`` depth below the root (root: 0).
         path_probs: ``[1 + n]`` cumulative draft probability (root: 1).
-        position_ids: ``[1, 1 + n]`` = ``prefix_len + depths``.
+        position_ids: ``[1, 1 + n]`` = root position (``prefix_len`` without padding) ``+ depths``.
         attention_mask: ``[1, 1, 1 + n, prefix_len + 1 + n]`` additive float tree mask.
         prefix_len: tokens in the target cache before the root.
         draft_seconds / select_seconds: time spent in the drafter / the policy.
@@ -97,8 +97,19 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.mask_dtype = mask_dtype
         self.last_candidates: TreeCandidates | None = None
 
-    def propose(self, root_token: int, prefix_len: int) -> TreeCandidates:
-        """Grow the tree below ``root_token`` while the policy asks, and lay out its selection."""
+    def propose(
+        self,
+        root_token: int,
+        prefix_len: int,
+        root_position: int | None = None,
+        prefix_hidden: torch.Tensor | None = None,
+    ) -> TreeCandidates:
+        """Grow the tree below ``root_token`` while the policy asks, and lay out its selection.
+
+        ``root_position`` is the root's position id (default ``prefix_len``; differs when the
+        prompt holds padding); ``prefix_hidden`` lists padded prefix positions to mask out.
+        """
+        root_position = prefix_len if root_position is None else int(root_position)
         self.ctx.prefix_len = prefix_len
         tree = DraftTree(root_token=int(root_token))
         draft_s = 0.0
@@ -118,7 +129,8 @@ class TreeCandidateGenerator(CandidateGenerator):
         tokens, block_parents, depths, path_probs = _select_block(tree, selection.nodes)
         max_depth = int(depths.max())
         mask = tree_attention_mask(
-            block_parents, prefix_len, dtype=self.mask_dtype, device=self.device, max_depth=max_depth
+            block_parents, prefix_len, dtype=self.mask_dtype, device=self.device, max_depth=max_depth,
+            prefix_hidden=prefix_hidden,
         )
         candidates = TreeCandidates(
             tree=tree,
@@ -127,7 +139,7 @@ class TreeCandidateGenerator(CandidateGenerator):
             block_parents=block_parents,
             depths=depths,
             path_probs=path_probs,
-            position_ids=(prefix_len + depths).to(self.device)[None],
+            position_ids=(root_position + depths).to(self.device)[None],
             attention_mask=mask,
             prefix_len=prefix_len,
             draft_seconds=draft_s,

@@ -121,9 +121,6 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, assistan
         raise ValueError("tree speculative decoding requires use_cache=True")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("tree speculative decoding takes input_ids, not inputs_embeds")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ValueError("tree speculative decoding does not support padded inputs (attention_mask with zeros)")
     attn = str(getattr(model.config, "_attn_implementation", "") or "")
     if attn.startswith("flash") or "flex" in attn:
         raise ValueError(
@@ -220,13 +217,20 @@ def tree_speculative_decoding(
     records: list[CycleRecord] = []
 
     # Prefill: the target reads the prompt and produces the first token (the first root).
+    # A 2D attention mask with zeros (padding inside a batch-1 prompt) is honoured like
+    # generate does: those keys stay hidden and positions skip them.
     sequence = input_ids
     prompt_len = input_ids.shape[1]
-    positions = torch.arange(prompt_len, device=model.device)[None]
+    prompt_mask = model_kwargs.get("attention_mask")
+    positions = model_kwargs.get("position_ids")
+    if positions is None or positions.shape[-1] != prompt_len:
+        positions = torch.arange(prompt_len, device=input_ids.device)[None]
+    prefix_hidden = None if prompt_mask is None else torch.nonzero(prompt_mask[0] == 0).reshape(-1)
     with _maybe_capture(model, feature_indices) as captured:
         out = model(
             input_ids=input_ids.to(model.device),
-            position_ids=positions,
+            attention_mask=None if prompt_mask is None else prompt_mask.to(model.device),
+            position_ids=positions.to(model.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
@@ -245,6 +249,7 @@ def tree_speculative_decoding(
     if streamer is not None:
         streamer.put(first.cpu())
     finished = stop_rule.done(sequence, None)
+    root_position = int(positions[0, -1]) + 1
 
     if not finished:
         drafter.start(input_ids, prompt_features)
@@ -258,7 +263,7 @@ def tree_speculative_decoding(
         root = int(sequence[0, -1])
 
         # Draft and select.
-        candidates = candidate_generator.propose(root, prefix_len)
+        candidates = candidate_generator.propose(root, prefix_len, root_position, prefix_hidden)
 
         # Verify and accept.
         verify_start = time.perf_counter()
@@ -280,6 +285,7 @@ def tree_speculative_decoding(
             scores.extend(accepted.scores[: len(new_tokens)])
             raw_logits.extend(accepted.raw_logits[: len(new_tokens)])
         finished = finished or stop_rule.done(sequence, None)
+        root_position += len(new_tokens)
 
         # Commit: both caches keep the root and the accepted path.  The target cache
         # always does (a returned cache then holds exactly sequence[:-1]); the drafter

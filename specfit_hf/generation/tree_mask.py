@@ -51,19 +51,24 @@ def tree_attention_mask(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     max_depth: int | None = None,
+    prefix_hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive ``[1, 1, n, prefix_len + n]`` mask for a block of ``n`` tree tokens.
 
     Args:
         parents: ``[n]`` in-block parent index of each token, ``-1`` for block roots.
-        prefix_len: tokens already in the KV cache (all visible to every block token).
+        prefix_len: tokens already in the KV cache (visible to every block token).
         dtype: the attention computation dtype (the model's dtype).
         device: where to build the mask (defaults to ``parents.device``).
         max_depth: optional bound on the chain length inside the block.
+        prefix_hidden: optional indices of prefix positions nobody may attend to
+            (padding tokens of the prompt, as a 2D ``attention_mask`` with zeros marks them).
     """
     device = parents.device if device is None else torch.device(device)
     anc = ancestor_matrix(parents.to(device), max_depth=max_depth)
     n = anc.shape[0]
     mask = torch.zeros((1, 1, n, prefix_len + n), dtype=dtype, device=device)
     mask[0, 0, :, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
+    if prefix_hidden is not None and prefix_hidden.numel():
+        mask[0, 0, :, prefix_hidden.to(device)] = torch.finfo(dtype).min
     return mask

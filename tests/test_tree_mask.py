@@ -1,0 +1,93 @@
+"""Property tests: a tree-masked forward equals running every branch linearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specfit_hf.generation import SpecFitCache, ancestor_matrix, tree_attention_mask
+from specfit_hf.generation.tree_mask import block_depths
+
+from test_generation import VOCAB, tiny_llama, tiny_qwen3_moe
+
+MODELS = {}
+
+
+def model(name):
+    if name not in MODELS:
+        MODELS[name] = tiny_qwen3_moe(0) if name == "qwen3_moe" else tiny_llama(0)
+    return MODELS[name]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@st.composite
+def forests(draw, max_nodes=9):
+    """Parent arrays with parents before children (-1 = hangs off the prefix), plus tokens."""
+    n = draw(st.integers(1, max_nodes))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+    return parents, tokens
+
+
+def naive_ancestors(parents):
+    n = len(parents)
+    out = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            out[i, j] = True
+            j = parents[j]
+    return out
+
+
+@given(forests(max_nodes=30))
+@settings(max_examples=60, deadline=None)
+def test_ancestor_matrix_matches_naive(forest):
+    parents, _ = forest
+    p = torch.tensor(parents)
+    assert torch.equal(ancestor_matrix(p), naive_ancestors(parents))
+    depth = naive_ancestors(parents).sum(1) - 1
+    assert torch.equal(ancestor_matrix(p, max_depth=int(depth.max())), naive_ancestors(parents))
+    assert torch.equal(block_depths(p), depth)
+
+
+def test_mask_values_and_shape():
+    mask = tree_attention_mask(torch.tensor([-1, 0, 0, 1]), prefix_len=2, dtype=torch.float16)
+    assert mask.shape == (1, 1, 4, 6) and mask.dtype == torch.float16
+    visible = mask[0, 0] == 0
+    assert visible[:, :2].all()  # the prefix is visible to everyone
+    assert visible[3, 2:].tolist() == [True, True, False, True]  # node 3 sees 0, 1 and itself, not 2
+    assert (mask[0, 0][~visible] == torch.finfo(torch.float16).min).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+@given(forest=forests(), prefix=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))
+@settings(max_examples=15, deadline=None)
+def test_tree_forward_equals_linear_branches(name, forest, prefix):
+    m = model(name)
+    parents, tokens = forest
+    p = torch.tensor(parents)
+    prefix_ids = torch.tensor([prefix])
+    with torch.no_grad():
+        cache = SpecFitCache(config=m.config)
+        m(prefix_ids, past_key_values=cache, use_cache=True)
+        mask = tree_attention_mask(p, len(prefix))
+        positions = len(prefix) + block_depths(p)
+        tree_logits = m(
+            torch.tensor([tokens]), attention_mask=mask, position_ids=positions[None], past_key_values=cache,
+            use_cache=True,
+        ).logits[0]
+        anc = naive_ancestors(parents)
+        for i in range(len(tokens)):
+            path = [tokens[j] for j in range(len(tokens)) if anc[i, j]]  # ancestors in order (parents precede)
+            linear = m(torch.tensor([prefix + path])).logits[0, -1]
+            torch.testing.assert_close(tree_logits[i], linear, atol=2e-5, rtol=1e-4)
