@@ -8,6 +8,14 @@ PCIe 4.0 (0.38 ms per expert, reference-facts.md).
 
     python examples/bench_selection.py                 # N in {16, 32, 64, 128}
     python examples/bench_selection.py --sizes 64 --reps 200 --correlated
+
+``--e2e`` instead runs generation on a tiny random Qwen3-MoE target with its experts
+offloaded behind an emulated link, drafted by a noisy copy of the target (mechanics
+only: no trained pair), and prints tokens/s of "specfit" vs fixed-N "eagle3" vs
+"autoregressive", the calibrated cost model, the MAPE of specfit's predicted cycle
+time, and the recall / precision of each expert predictor's per-layer union:
+
+    python examples/bench_selection.py --e2e
 """
 
 from __future__ import annotations
@@ -59,6 +67,78 @@ def make_experts(rng, parents, layers, experts, top_k, correlated):
     return out, root
 
 
+def run_e2e(args) -> None:
+    import copy
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from specfit_hf import EmulatedLink, offload_experts
+    from specfit_hf.generation import SpecFitConfig
+    from specfit_hf.selection import SpecFitPolicy, calibrate, register_policy
+
+    captured: list[SpecFitPolicy] = []
+
+    @register_policy("specfit-bench")
+    class _Captured(SpecFitPolicy):  # the specfit policy, kept to read its online figures
+        def __init__(self, config):
+            super().__init__(config)
+            captured.append(self)
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=2,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    )
+    target = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # peaked distributions, as a trained model's
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(args.draft_noise * p.std() * torch.randn_like(p))
+    runtime = offload_experts(target, device="cpu", slots_per_layer=args.slots,
+                              link=EmulatedLink(gbps=args.gbps, latency_us=args.latency_us))
+    print(runtime)
+    print(f"emulated seconds per expert: {runtime.link.transfer_seconds(runtime.expert_bytes) * 1e3:.3f} ms")
+    cost = calibrate(target, None, runtime)
+    print(f"calibrated: {cost}")
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (1, 8), generator=g) for _ in range(args.prompts)]
+    refs = [target.generate(p, max_new_tokens=args.new_tokens, do_sample=False) for p in prompts]
+    runs = [("autoregressive", "autoregressive", {}, 8)]
+    runs += [(f"eagle3 N={n}", "eagle3", {}, n) for n in args.eagle_n]
+    runs += [("specfit", "specfit-bench", {"cost": cost, "measure_predictors": ["router", "history", "history+router"]}, 64)]
+    runs += [("specfit (always draft)", "specfit-bench", {"cost": cost, "adaptive_drafting": False}, 64)]
+    print(f"{'policy':<24} {'tok/s':>7} {'tau':>5} {'verified/cyc':>12} {'experts/tok':>11} {'lossless':>8}")
+    for label, policy, kwargs, n in runs:
+        tokens = seconds = cycles = verified = loaded = 0
+        lossless = True
+        for p, ref in zip(prompts, refs):
+            gc = SpecFitConfig(max_new_tokens=args.new_tokens, do_sample=False, policy=policy, max_depth=args.depth,
+                               tree_top_k=args.tree_top_k, max_verify_nodes=n, policy_kwargs=kwargs,
+                               return_dict_in_generate=True)
+            runtime.reset_stats()
+            start = time.perf_counter()
+            out = target.generate(p, assistant_model=draft, generation_config=gc)
+            seconds += time.perf_counter() - start
+            lossless &= bool(torch.equal(out.sequences, ref))
+            tokens += out.sequences.shape[1] - p.shape[1]
+            cycles += len(out.cycles)
+            verified += sum(c.nodes_verified for c in out.cycles)
+            loaded += runtime.stats.total.misses
+        print(f"{label:<24} {tokens / seconds:>7.2f} {tokens / cycles:>5.2f} {verified / cycles:>12.2f}"
+              f" {loaded / tokens:>11.2f} {str(lossless):>8}")
+        if captured and policy == "specfit-bench":
+            rep = captured[-1].report()
+            print(f"    last prompt: online cost {rep['cost_model']}, cycle-time MAPE {rep['cycle_time_mape_percent']:.1f} %")
+            for name, q in rep["expert_union"].items():
+                if q["blocks"]:
+                    print(f"    expert predictor {name:<15} recall {q['recall']:.3f} precision {q['precision']:.3f}"
+                          f" over {q['blocks']} verified blocks")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -72,7 +152,20 @@ def main() -> None:
     ap.add_argument("--t-expert", type=float, default=0.00038)
     ap.add_argument("--correlated", action="store_true", help="children reuse half their parent's experts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--e2e", action="store_true", help="generation benchmark on a tiny offloaded target")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--tree-top-k", type=int, default=4)
+    ap.add_argument("--eagle-n", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--slots", type=int, default=6, help="device expert slots per layer (of 16)")
+    ap.add_argument("--gbps", type=float, default=0.05, help="emulated link bandwidth, GB/s")
+    ap.add_argument("--latency-us", type=float, default=100.0)
+    ap.add_argument("--draft-noise", type=float, default=0.3)
     args = ap.parse_args()
+    if args.e2e:
+        run_e2e(args)
+        return
     cost = CostModel(args.t0, args.t_token, args.t_expert)
     rng = np.random.default_rng(args.seed)
     print(f"cost {cost}; experts {'correlated' if args.correlated else 'uniform'}; {args.reps} instances per size")

@@ -182,3 +182,46 @@ def test_negative_expert_ids_are_ignored():
     plain = select_subtree([-1], [0.9], [[[2]]], [[0]], cached, cost)
     assert padded.throughput == pytest.approx(plain.throughput)
     assert padded.predicted_time == pytest.approx(0.01 + 0.002 + 0.02)
+
+
+@pytest.mark.parametrize("n", [50, 120])
+def test_item_groups_match_user_sets(n):
+    """Merged items (same topmost-user set) and folded private items, checked directly."""
+    rng = np.random.default_rng(n)
+    parents, path, ne, re, cached = _random_instance(rng, n=n, layers=3, experts=10, k=3, cached_fraction=0.3)
+    cost = CostModel(t0=0.01, t_token=0.001, t_expert=0.001)
+    problem = SearchProblem(parents, path, ne, re, cached, cost)
+    # recompute topmost user sets by brute force
+    users: dict[tuple[int, int], set[int]] = {}
+    for v in range(n):
+        for layer in range(3):
+            for e in set(ne[v, layer].tolist()):
+                if not cached[layer, e] and e not in re[layer]:
+                    users.setdefault((layer, e), set()).add(v)
+
+    def topmost(vs):
+        out = set()
+        for v in vs:
+            u, covered = parents[v], False
+            while u >= 0:
+                covered |= int(u) in vs
+                u = parents[u]
+            if not covered:
+                out.add(v)
+        return out
+
+    tops = [frozenset(topmost(vs)) for vs in users.values()]
+    private = np.zeros(n)
+    for t in tops:
+        if len(t) == 1:
+            private[next(iter(t))] += 1
+    assert problem.private.tolist() == private.tolist()
+    expected = {}
+    for t in tops:
+        if len(t) > 1:
+            expected[t] = expected.get(t, 0) + 1
+    got = {}
+    for g in range(problem.group_cost_count.size):
+        members = frozenset(problem.member_node[problem.member_group == g].tolist())
+        got[members] = got.get(members, 0) + int(problem.group_cost_count[g])
+    assert got == expected

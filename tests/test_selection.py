@@ -294,10 +294,11 @@ def test_specfit_generation_is_greedy_lossless_and_learns(offloaded_pair):
     assert math.isfinite(report["cycle_time_mape_percent"])
     quality = report["expert_union"]
     assert quality["policy"]["blocks"] > 0
-    # floor: the learned routing history must beat guessing; with 8 experts, top-2 and
-    # 3-5 verified rows per block, random guesses recall about half the union
-    assert quality["history+router"]["recall"] >= 0.5
-    assert quality["history"]["recall"] >= 0.5
+    # floors (measured 0.80-0.87 and 0.41-0.55 on this pair): guessing top-2 of 8 experts
+    # at random recalls 0.25 of a root-only block's union and less than half of small trees'
+    assert quality["history+router"]["recall"] >= 0.6
+    assert quality["router"]["recall"] >= 0.6
+    assert quality["history"]["recall"] >= 0.3
 
 
 def test_specfit_without_runtime_is_lossless():

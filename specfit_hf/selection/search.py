@@ -184,8 +184,8 @@ class SearchProblem:
             keep = (ne.reshape(n, -1) >= 0) & costly[np.maximum(flat, 0)]
         else:
             keep = costly[flat]
-        nodes, _ = np.nonzero(keep)
         ids = flat[keep]
+        nodes = np.repeat(np.arange(n), keep.sum(axis=1))
         used = np.zeros(num_layers * num_experts, dtype=bool)
         used[ids] = True
         compact = np.cumsum(used) - 1
@@ -196,19 +196,20 @@ class SearchProblem:
         items = compact[ids]
         # duplicates in these pairs are harmless for evaluation (set membership only)
         self.pair_node, self.pair_item = nodes, items
-        # slot[v, i] = the last pair writing (v, i): keeps one pair per (node, item)
         lin = nodes * num_items + items
-        slot = np.full(n * num_items, -1, dtype=np.int32)
-        pair_ids = np.arange(nodes.size, dtype=np.int32)
-        slot[lin] = pair_ids
-        usage = (slot >= 0).reshape(n, num_items)
+        usage_flat = np.zeros(n * num_items, dtype=bool)
+        usage_flat[lin] = True
+        usage = usage_flat.reshape(n, num_items)
+        if int(usage_flat.sum()) != lin.size:  # repeated predictions: keep one pair per (node, item)
+            lin, first_pair = np.unique(lin, return_index=True)
+            nodes, items = nodes[first_pair], items[first_pair]
 
         # charge each item to its topmost users only: an ancestor's use covers the node's
         covered = np.zeros_like(usage)
         for idx in self.levels[1:]:
             par = self.parents[idx]
             covered[idx] = covered[par] | usage[par]
-        top_pair = (slot[lin] == pair_ids) & ~covered.reshape(-1)[lin]
+        top_pair = ~covered.reshape(-1)[lin]
         tn, ti = nodes[top_pair], items[top_pair]
         users = np.bincount(ti, minlength=num_items)
         self.private = np.bincount(tn[users[ti] == 1], minlength=n).astype(np.float64)
@@ -216,10 +217,13 @@ class SearchProblem:
         if shared_pair.any():
             sn, si = tn[shared_pair], ti[shared_pair]
             # items with the same user set merge into one group: key = user-set bitmask
-            words = -(-n // 64)
-            keys = np.zeros((num_items, words), dtype=np.uint64)
-            np.add.at(keys, (si, sn // 64), np.left_shift(np.uint64(1), (sn % 64).astype(np.uint64)))
+            # exact float keys: a sum of distinct powers of two below 2^52 per word
+            words = -(-n // 52)
             shared = np.nonzero(users >= 2)[0]
+            keys = np.empty((num_items, words), dtype=np.float64)
+            for w in range(words):
+                in_word = (sn // 52) == w
+                keys[:, w] = np.bincount(si[in_word], weights=np.ldexp(1.0, sn[in_word] % 52), minlength=num_items)
             keys = keys[shared]
             if words == 1:
                 _, first, inverse, counts = np.unique(
