@@ -30,7 +30,7 @@ import os
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -418,7 +418,6 @@ class TrainConfig:
     text_field: str | None = None
     feature_indices: list[int] | None = None
     log_every: int = 10
-    extra: dict = field(default_factory=dict)
 
 
 def _lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -440,7 +439,8 @@ def _batch_indices(num_blocks: int, batch_size: int, step: int, seed: int) -> to
 
 def write_model_card(out_dir: str | os.PathLike, cfg: TrainConfig, summary: dict) -> None:
     """README.md with Hub metadata for a trained draft folder."""
-    base = cfg.target
+    # A local folder is not a Hub id: the card names the folder.
+    base = Path(cfg.target).name if Path(cfg.target).exists() else cfg.target
     meta = [
         "---",
         "library_name: transformers",
@@ -646,7 +646,7 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
         "tokens_per_s": tokens_done / train_time if train_time else float("nan"),
         "train_seconds": train_time,
         "threads": torch.get_num_threads(),
-        "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
+        "config": asdict(cfg),
     }
     if recent and "expert_recall" in recent[-1]:
         summary["final_expert_recall"] = sum(r["expert_recall"] for r in recent) / len(recent)
