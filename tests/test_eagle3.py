@@ -54,6 +54,19 @@ def test_save_load_round_trip(tmp_path):
         pred = loaded.predict_experts(h)
         assert pred.shape == (5, 3, 2) and pred.dtype == torch.long
         assert torch.equal(pred, draft.predict_experts(h))
+        assert torch.equal(pred[:, 1], loaded.expert_logits(h)[:, 1].topk(2, -1).indices)
+
+    # the drafter serves predictions for the root and every node of a tree
+    target = tiny_target()
+    drafter = loaded.make_tree_drafter(target, None)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    drafter.start(prompt, _features(target, prompt, drafter.target_feature_indices)[0])
+    tree = DraftTree(3)
+    drafter.draft_level(tree)
+    drafter.draft_level(tree)
+    experts = drafter.predicted_experts(tree)
+    assert experts.shape == (1 + len(tree), 3, 2)
+    assert torch.equal(experts[1:], loaded.predict_experts(tree.hidden))
     # the saved folder is the public layout, not transformers' internal names
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["draft_vocab_size"] == 64 and "rope_theta" in cfg
@@ -316,6 +329,7 @@ def test_tree_levels_match_linear_drafting_across_commits(target, variant):
     drafter.commit(DraftTree(7), VerifyResult([], [0], [9], 9), feats2[:, -1:])
     with pytest.raises(ValueError, match="root"):
         drafter.draft_level(DraftTree(8))  # 9 is the committed root
+    assert drafter.predicted_experts(tree2) is None  # no expert heads on this draft
     tree4 = DraftTree(9)
     drafter.draft_level(tree4)
     _check_tree_against_linear(draft, tree4, torch.cat([full2, torch.tensor([[9]])], 1), feats2)

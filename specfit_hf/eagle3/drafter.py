@@ -225,6 +225,22 @@ class Eagle3TreeDrafter(Drafter):
         st.expected_root = int(result.bonus_token)
         self._tree = None
 
+    @torch.no_grad()
+    def predicted_experts(self, tree: DraftTree) -> torch.LongTensor | None:
+        """``[1 + N, L_moe, k]`` experts the draft's heads predict for the root then each node.
+
+        ``None`` when the draft has no expert predictor.  Layer order is
+        ``model.expert_moe_layers`` (target decoder-layer indices).
+        """
+        if self.model.expert_heads is None:
+            return None
+        if tree.root_hidden is None:
+            raise ValueError("the tree has no draft hidden states yet (draft at least one level)")
+        hidden = tree.root_hidden.reshape(1, -1)
+        if tree.hidden is not None:
+            hidden = torch.cat([hidden, tree.hidden.to(hidden)])
+        return self.model.predict_experts(hidden).cpu()
+
     def make_state_snapshot(self) -> Any:
         st = self._state
         feats = None if st.pending_features is None else st.pending_features.clone()
