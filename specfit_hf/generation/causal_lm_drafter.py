@@ -29,7 +29,7 @@ import torch
 from ..tree import DraftTree, VerifyResult
 from .cache import SpecFitCache
 from .drafter import Drafter
-from .tree_mask import tree_attention_mask
+from .tree_mask import tree_attention_mask, visibility_to_mask
 
 __all__ = ["CausalLMTreeDrafter"]
 
@@ -62,7 +62,7 @@ class CausalLMTreeDrafter(Drafter):
     # ------------------------------------------------------------------ helpers
     def _reset_region(self) -> None:
         # Per-cycle bookkeeping of the draft cache's tree region.
-        self._region_parents = torch.empty(0, dtype=torch.long)  # in-region parent (-1 for the root)
+        self._region_anc = torch.empty(0, 0, dtype=torch.bool)  # [R, R] ancestor-or-self within the region
         self._node_region = torch.empty(0, dtype=torch.long)  # tree node -> region index (-1: not run)
         self._last_level = torch.empty(0, dtype=torch.long)
 
@@ -128,7 +128,7 @@ class CausalLMTreeDrafter(Drafter):
         new = tree.add_level(
             tokens[0], torch.full((k,), -1, dtype=torch.long), probs[0], hidden=root_hidden.unsqueeze(0).repeat(k, 1)
         )
-        self._region_parents = torch.tensor([-1], dtype=torch.long)
+        self._region_anc = torch.ones(1, 1, dtype=torch.bool)
         self._node_region = torch.full((len(tree),), -1, dtype=torch.long)
         self._last_level = new
 
@@ -145,16 +145,15 @@ class CausalLMTreeDrafter(Drafter):
         parent_region = torch.where(tree_parents >= 0, self._node_region[tree_parents.clamp(min=0)], 0)
         if bool((parent_region < 0).any()):
             raise RuntimeError("draft tree invariant broken: an expanded node's parent was never run")
-        region_len = self._region_parents.numel()
-        all_parents = torch.cat([self._region_parents, parent_region])
-        mask = tree_attention_mask(
-            all_parents, self._committed_len, dtype=self.mask_dtype, device=self.device, max_depth=tree.num_levels
-        )
-        mask = mask[:, :, region_len:, :]
+        region_len = self._region_anc.shape[0]
+        # A frontier node sees its parent's ancestors and itself (rows built incrementally).
+        new_rows = torch.cat([self._region_anc[parent_region], torch.eye(k_front, dtype=torch.bool)], dim=1)
+        mask = visibility_to_mask(new_rows.to(self.device), self._committed_len, dtype=self.mask_dtype)
         positions = self._committed_len + tree.depths[frontier]
         logits, hidden = self._forward(tree.tokens[frontier], positions, mask, k_front)
 
-        self._region_parents = all_parents
+        pad = torch.zeros(region_len, k_front, dtype=torch.bool)
+        self._region_anc = torch.cat([torch.cat([self._region_anc, pad], dim=1), new_rows], dim=0)
         self._node_region[frontier] = region_len + torch.arange(k_front)
         if tree.hidden is not None:
             # These nodes have now been run: store their own state (see module docstring).
@@ -177,7 +176,7 @@ class CausalLMTreeDrafter(Drafter):
             raise RuntimeError("CausalLMTreeDrafter.start() must run before commit()")
         accepted = torch.as_tensor(result.accepted, dtype=torch.long)
         accepted_tokens = tree.tokens[accepted].tolist() if accepted.numel() else []
-        if tree.num_levels == 0 or self._region_parents.numel() == 0:
+        if tree.num_levels == 0 or self._region_anc.numel() == 0:
             # Nothing was drafted this cycle: the draft never saw the root.
             self._pending += [tree.root_token] + accepted_tokens
         else:

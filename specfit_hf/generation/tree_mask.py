@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ancestor_matrix", "tree_attention_mask", "block_depths"]
+__all__ = ["ancestor_matrix", "tree_attention_mask", "visibility_to_mask", "block_depths"]
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
@@ -66,9 +66,22 @@ def tree_attention_mask(
     """
     device = parents.device if device is None else torch.device(device)
     anc = ancestor_matrix(parents.to(device), max_depth=max_depth)
-    n = anc.shape[0]
-    mask = torch.zeros((1, 1, n, prefix_len + n), dtype=dtype, device=device)
-    mask[0, 0, :, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
+    return visibility_to_mask(anc, prefix_len, dtype=dtype, prefix_hidden=prefix_hidden)
+
+
+def visibility_to_mask(
+    visible: torch.Tensor,
+    prefix_len: int,
+    dtype: torch.dtype = torch.float32,
+    prefix_hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[q, k]`` bool visibility of the non-prefix keys -> additive ``[1, 1, q, prefix_len + k]`` mask.
+
+    Callers that maintain ancestor rows incrementally (the tree drafter) use this directly.
+    """
+    q, k = visible.shape
+    mask = torch.zeros((1, 1, q, prefix_len + k), dtype=dtype, device=visible.device)
+    mask[0, 0, :, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
     if prefix_hidden is not None and prefix_hidden.numel():
-        mask[0, 0, :, prefix_hidden.to(device)] = torch.finfo(dtype).min
+        mask[0, 0, :, prefix_hidden.to(visible.device)] = torch.finfo(dtype).min
     return mask

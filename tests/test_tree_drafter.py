@@ -1,0 +1,77 @@
+"""CausalLMTreeDrafter: every drafted node carries the draft model's own probability for its path,
+across cycles (the draft cache keeps only accepted paths; unseen accepted leaves are fed later)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfit_hf.generation import CausalLMTreeDrafter, SpecFitConfig, make_drafter
+from specfit_hf.tree import DraftTree, VerifyResult
+
+from test_generation import VOCAB, tiny_llama, tiny_qwen3_moe
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _linear_probs(draft, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.softmax(draft(torch.tensor([seq])).logits[0, -1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("draft_kind", ["llama", "qwen3_moe"])
+def test_tree_matches_linear_draft_across_cycles(draft_kind):
+    draft = tiny_llama(5, layers=2) if draft_kind == "llama" else tiny_qwen3_moe(5)
+    target = tiny_llama(0)
+    drafter = make_drafter(draft, target, SpecFitConfig(tree_top_k=3))
+    assert isinstance(drafter, CausalLMTreeDrafter)
+    seq = [3, 14, 15, 9, 26]
+    drafter.start(torch.tensor([seq]), None)
+    root = 5
+    g = torch.Generator().manual_seed(0)
+    # levels drafted per cycle; 0 = a plain decode step (nothing drafted)
+    for levels in [3, 2, 0, 4, 1, 3]:
+        tree = DraftTree(root_token=root)
+        for _ in range(levels):
+            drafter.draft_level(tree)
+        context = seq + [root]
+        for node in range(len(tree)):
+            path = tree.ancestors(node)
+            probs = _linear_probs(draft, context + [int(tree.tokens[j]) for j in path[:-1]])
+            tok = int(tree.tokens[node])
+            torch.testing.assert_close(float(tree.draft_probs[node]), float(probs[tok]), atol=1e-5, rtol=1e-4)
+            assert probs[tok] >= probs.topk(3).values[-1] - 1e-6  # one of the top-3 children
+        if levels:
+            assert tree.num_levels == levels and tree.hidden.shape[0] == len(tree)
+            assert tree.root_hidden is not None
+        # Accept the path to a random node (often a leaf the draft never ran).
+        if len(tree):
+            node = int(torch.randint(len(tree), (1,), generator=g))
+            accepted = tree.ancestors(node)
+        else:
+            accepted = []
+        bonus = int(torch.randint(VOCAB, (1,), generator=g))
+        new_tokens = [int(tree.tokens[j]) for j in accepted] + [bonus]
+        # Block positions are only read by the target-side commit; any consistent values do here.
+        result = VerifyResult(accepted=accepted, accepted_positions=list(range(len(accepted) + 1)),
+                              new_tokens=new_tokens, bonus_token=bonus)
+        drafter.commit(tree, result, None)
+        seq = context + new_tokens[:-1]
+        root = bonus
+    # The draft cache never holds more than the committed sequence.
+    assert drafter.cache.get_seq_length() <= len(seq)
+
+
+def test_make_drafter_uses_model_factory():
+    class Factory(torch.nn.Module):
+        def make_tree_drafter(self, target, config):
+            return "not a drafter"
+
+    with pytest.raises(TypeError, match="does not implement"):
+        make_drafter(Factory(), tiny_llama(0), SpecFitConfig())
