@@ -15,7 +15,10 @@ Example (the tiny Qwen3-MoE target of this repository)::
         --data ../shared/data/gsm8k/train.jsonl ../shared/data/cnn_dailymail/validation.jsonl \\
         --out model_cards/specfit-tiny-qwen3moe-eagle3 \\
         --steps 3000 --seq-len 256 --batch-size 4 --ttt-steps 7 --draft-vocab 4096 \\
-        --expert-heads --threads 2 --time-budget-min 120
+        --expert-heads --layers 1 3 5 --threads 2 --time-budget-min 120
+
+(``--layers 1 3 5``: with 6 target layers the default ``2, L//2, L-3`` = ``2, 3, 3`` would
+feed the same layer twice.)
 
 Flags:
     --target PATH         target model folder (AutoModelForCausalLM + AutoTokenizer).
@@ -58,7 +61,7 @@ from specfit_hf.eagle3.train import TrainConfig, train_eagle3
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True, nargs="+")
     p.add_argument("--text-field", default=None)
