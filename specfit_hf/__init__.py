@@ -24,3 +24,15 @@ from .selection import CostModel, calibrate, select_subtree  # noqa: E402
 
 # EAGLE-3 draft model (stage 2).
 from .eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter  # noqa: E402
+
+# Tree speculative decoding inside generate (stages 2-5 and the loop).  Importing it
+# installs the SpecFitConfig routing on GenerationMixin; every other config takes the
+# stock transformers path unchanged.
+from .generation import (  # noqa: E402
+    CausalLMTreeDrafter,
+    CycleRecord,
+    Drafter,
+    SpecFitCache,
+    SpecFitConfig,
+    SpecFitGenerateOutput,
+)
