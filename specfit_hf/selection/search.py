@@ -54,6 +54,7 @@ _INT_SCALE = float(2**30 - 1)  # flow values stay below int32 max
 _GAP_TOL = 1e-12  # tokens: stop refining the cut once it is this close to optimal
 _MAX_REFINE_ROUNDS = 6
 _MAX_DINKELBACH_STEPS = 100
+_SPLIT_ROUNDS = 4  # cost-split relaxations tried before a min cut
 
 
 @dataclass(frozen=True)
@@ -335,13 +336,20 @@ class SearchProblem:
             np.where(in_cur, g_cost[m_group] / np.maximum(cur_users[m_group], 1), 0.0),
             g_cost[m_group] / all_users[m_group],
         )
-        relaxed_w = w - np.bincount(m_node, weights=share, minlength=self.n)
-        bound, relaxed_set = self._tree_closure(relaxed_w, alive)
-        if bound <= threshold + slack:
-            return None  # certified: no set beats the incumbent
-        better = self._if_better(relaxed_set, lam)
-        if better is not None:
-            return better
+        free = ~touched  # groups whose split may move
+        g_cost_m = g_cost[m_group]
+        for _ in range(_SPLIT_ROUNDS):
+            relaxed_w = w - np.bincount(m_node, weights=share, minlength=self.n)
+            bound, relaxed_set = self._tree_closure(relaxed_w, alive)
+            if bound <= threshold + slack:
+                return None  # certified: no set beats the incumbent
+            better = self._if_better(relaxed_set, lam)
+            if better is not None:
+                return better
+            # move each free group's cost toward the users the relaxation wants to take
+            pull = np.where(relaxed_set[m_node], 1.0, 1e-3)
+            total_pull = np.bincount(m_group, weights=pull, minlength=num_groups)
+            share = np.where(free, 0.5 * share + 0.5 * g_cost_m * pull / total_pull[m_group], share)
         for selected in self._cut_closures(w, alive, m_node, m_group, g_cost):
             better = self._if_better(selected, lam)
             if better is not None:
