@@ -351,3 +351,17 @@ def test_prompt_with_pad_tokens_matches_generate(targets):
                         max_verify_nodes=9)
     out = target.generate(ids, assistant_model=target, generation_config=cfg)
     assert torch.equal(out, expected)
+
+
+def test_oracle_policy_gets_a_probe(targets):
+    """The loop hands the oracle policy a probe of the whole tree; output stays lossless and the
+    oracle's selection (nodes it knows the target accepts) commits more than one token per cycle."""
+    target = targets["qwen3_moe"]
+    ids = prompts(1, seed=16)[0]
+    cfg = SpecFitConfig(max_new_tokens=14, do_sample=False, policy="oracle", max_depth=3, tree_top_k=3,
+                        max_verify_nodes=12, return_dict_in_generate=True)
+    out = target.generate(ids, assistant_model=noisy_copy(target), generation_config=cfg)
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=14))
+    # Every node the oracle verifies is one the target accepts: verified == accepted.
+    assert all(c.nodes_verified == c.tokens_accepted for c in out.cycles)
+    assert sum(c.tokens_accepted for c in out.cycles) > 0

@@ -21,7 +21,7 @@ from ..tree import DraftTree, Selection, VerifyResult
 from .drafter import Drafter
 from .tree_mask import tree_attention_mask
 
-__all__ = ["TreeCandidates", "TreeCandidateGenerator"]
+__all__ = ["TreeCandidates", "TreeCandidateGenerator", "layout_candidates"]
 
 
 @dataclass
@@ -77,6 +77,34 @@ def _select_block(tree: DraftTree, nodes: torch.Tensor) -> tuple[torch.Tensor, .
     return tokens, block_parents, depths, path_probs
 
 
+def layout_candidates(
+    tree: DraftTree,
+    selection: Selection,
+    prefix_len: int,
+    root_position: int,
+    prefix_hidden: torch.Tensor | None,
+    device,
+    mask_dtype: torch.dtype,
+) -> TreeCandidates:
+    """Lay ``[root] + selection.nodes`` out as a verification block with its tree mask."""
+    tokens, block_parents, depths, path_probs = _select_block(tree, selection.nodes)
+    mask = tree_attention_mask(
+        block_parents, prefix_len, dtype=mask_dtype, device=device, max_depth=int(depths.max()),
+        prefix_hidden=prefix_hidden,
+    )
+    return TreeCandidates(
+        tree=tree,
+        selection=selection,
+        input_ids=tokens.to(device)[None],
+        block_parents=block_parents,
+        depths=depths,
+        path_probs=path_probs,
+        position_ids=(root_position + depths).to(device)[None],
+        attention_mask=mask,
+        prefix_len=prefix_len,
+    )
+
+
 class TreeCandidateGenerator(CandidateGenerator):
     """Draft + select: produces the :class:`TreeCandidates` of each cycle.
 
@@ -126,25 +154,11 @@ class TreeCandidateGenerator(CandidateGenerator):
             select_s += time.perf_counter() - t
             if len(tree) == size_before:  # the drafter has nothing more to add
                 break
-        tokens, block_parents, depths, path_probs = _select_block(tree, selection.nodes)
-        max_depth = int(depths.max())
-        mask = tree_attention_mask(
-            block_parents, prefix_len, dtype=self.mask_dtype, device=self.device, max_depth=max_depth,
-            prefix_hidden=prefix_hidden,
+        candidates = layout_candidates(
+            tree, selection, prefix_len, root_position, prefix_hidden, self.device, self.mask_dtype
         )
-        candidates = TreeCandidates(
-            tree=tree,
-            selection=selection,
-            input_ids=tokens.to(self.device)[None],
-            block_parents=block_parents,
-            depths=depths,
-            path_probs=path_probs,
-            position_ids=(root_position + depths).to(self.device)[None],
-            attention_mask=mask,
-            prefix_len=prefix_len,
-            draft_seconds=draft_s,
-            select_seconds=select_s,
-        )
+        candidates.draft_seconds = draft_s
+        candidates.select_seconds = select_s
         self.last_candidates = candidates
         return candidates
 

@@ -31,6 +31,7 @@ from ..selection.policy import CycleContext, get_policy
 from .cache import SpecFitCache
 from .candidates import TreeCandidateGenerator
 from .drafter import make_drafter
+from .oracle_probe import TreeOracleProbe
 from .verify import accept, verify_forward
 
 __all__ = ["CycleRecord", "SpecFitGenerateOutput", "tree_speculative_decoding"]
@@ -214,6 +215,8 @@ def tree_speculative_decoding(
     ctx = CycleContext(target=model, runtime=runtime, config=config, extras={"drafter": drafter})
     mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
     candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype)
+    oracle_probe = TreeOracleProbe(model, cache, runtime, mask_dtype)  # only the "oracle" policy calls it
+    ctx.extras["oracle_probe"] = oracle_probe
     records: list[CycleRecord] = []
 
     # Prefill: the target reads the prompt and produces the first token (the first root).
@@ -263,6 +266,8 @@ def tree_speculative_decoding(
         root = int(sequence[0, -1])
 
         # Draft and select.
+        oracle_probe.prefix_len, oracle_probe.root_position = prefix_len, root_position
+        oracle_probe.prefix_hidden = prefix_hidden
         candidates = candidate_generator.propose(root, prefix_len, root_position, prefix_hidden)
 
         # Verify and accept.
