@@ -75,3 +75,24 @@ def test_make_drafter_uses_model_factory():
 
     with pytest.raises(TypeError, match="does not implement"):
         make_drafter(Factory(), tiny_llama(0), SpecFitConfig())
+
+
+def test_candidate_generator_contract():
+    """get_candidates follows transformers' CandidateGenerator contract: input ids + candidates."""
+    from specfit_hf.generation import TreeCandidateGenerator
+    from specfit_hf.selection import CycleContext, get_policy
+
+    target = tiny_llama(0)
+    cfg = SpecFitConfig(max_depth=2, tree_top_k=2, max_verify_nodes=5)
+    drafter = make_drafter(tiny_llama(6, layers=1), target, cfg)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    drafter.start(prompt[:, :-1], None)  # the last prompt token plays the root
+    gen = TreeCandidateGenerator(drafter, get_policy("eagle3", cfg), CycleContext(target, None, cfg), 2, "cpu",
+                                 torch.float32)
+    ids, logits = gen.get_candidates(prompt)
+    cand = gen.last_candidates
+    assert logits is None and ids.shape[1] == prompt.shape[1] + cand.num_nodes
+    assert cand.num_nodes == 5 and len(cand.tree) == 2 + 2 * 2
+    assert torch.equal(ids[:, : prompt.shape[1]], prompt)
+    assert cand.attention_mask.shape == (1, 1, 6, 3 + 6)
+    assert cand.position_ids[0].tolist() == [3 + d for d in cand.depths.tolist()]

@@ -30,11 +30,14 @@ config, or no assistant) takes exactly the original code paths; tests check both
 from __future__ import annotations
 
 from transformers.generation.utils import GenerationMixin
+from transformers.utils import logging
 
 from .config import SpecFitConfig
 from .loop import tree_speculative_decoding
 
 __all__ = ["install", "uninstall", "is_installed"]
+
+logger = logging.get_logger(__name__)
 
 _ORIGINALS: dict[str, object] = {}
 
@@ -87,9 +90,15 @@ def _specfit_assisted_decoding(
 
 
 def _specfit_validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-    if isinstance(generation_config, SpecFitConfig) and "assistant_model" in generation_mode_kwargs:
-        # Skip only the draft/target vocabulary comparison; every other check runs.
-        generation_mode_kwargs = {k: v for k, v in generation_mode_kwargs.items() if k != "assistant_model"}
+    if isinstance(generation_config, SpecFitConfig):
+        if "assistant_model" in generation_mode_kwargs:
+            # Skip only the draft/target vocabulary comparison; every other check runs.
+            generation_mode_kwargs = {k: v for k, v in generation_mode_kwargs.items() if k != "assistant_model"}
+        else:
+            logger.warning_once(
+                "SpecFitConfig given without assistant_model: generate runs plain (non-speculative) decoding; "
+                "pass assistant_model=<draft> for tree speculative decoding"
+            )
     return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
 
 
