@@ -29,7 +29,7 @@ import torch
 from ..tree import DraftTree, VerifyResult
 from .cache import SpecFitCache
 from .drafter import Drafter
-from .tree_mask import tree_attention_mask, visibility_to_mask
+from .tree_mask import visibility_to_mask
 
 __all__ = ["CausalLMTreeDrafter"]
 
@@ -67,7 +67,7 @@ class CausalLMTreeDrafter(Drafter):
         self._last_level = torch.empty(0, dtype=torch.long)
 
     @torch.no_grad()
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, n_logits: int):
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, n_logits: int):
         out = self.model(
             input_ids=tokens.reshape(1, -1).to(self.device),
             position_ids=positions.reshape(1, -1).to(self.device),
@@ -80,6 +80,11 @@ class CausalLMTreeDrafter(Drafter):
         logits = out.logits[0, -n_logits:, : self.vocab_limit].float()
         hidden = out.hidden_states[-1][0, -n_logits:]
         return logits, hidden
+
+    def _chain_mask(self, n: int, prefix_len: int) -> torch.Tensor:
+        """Causal mask of a plain chain of ``n`` tokens (a tree without branches)."""
+        visible = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        return visibility_to_mask(visible, prefix_len, dtype=self.mask_dtype)
 
     def _top_children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[m, V]`` logits -> (``[m, k]`` tokens, ``[m, k]`` probabilities)."""
@@ -95,9 +100,8 @@ class CausalLMTreeDrafter(Drafter):
             raise ValueError(f"CausalLMTreeDrafter works on batch size 1, got prompt shape {tuple(prompt_ids.shape)}")
         self.cache = SpecFitCache(config=self.model.config)
         n = prompt_ids.shape[1]
-        chain = torch.arange(n) - 1
-        mask = tree_attention_mask(chain, 0, dtype=self.mask_dtype, device=self.device, max_depth=n)
-        self._forward(prompt_ids[0], torch.arange(n), mask, 1)
+        # A plain causal prefill: the model builds its own (cheaper) causal mask.
+        self._forward(prompt_ids[0], torch.arange(n), None, 1)
         self._committed_len = n
         self._pending = []
         self._reset_region()
@@ -116,8 +120,7 @@ class CausalLMTreeDrafter(Drafter):
         # committed draft positions, the root opens the tree region.
         chain_tokens = torch.tensor(self._pending + [tree.root_token], dtype=torch.long)
         m = chain_tokens.numel()
-        chain = torch.arange(m) - 1
-        mask = tree_attention_mask(chain, self._committed_len, dtype=self.mask_dtype, device=self.device, max_depth=m)
+        mask = self._chain_mask(m, self._committed_len)
         logits, hidden = self._forward(chain_tokens, self._committed_len + torch.arange(m), mask, 1)
         self._committed_len += m - 1
         self._pending = []
