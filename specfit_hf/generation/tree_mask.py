@@ -65,7 +65,9 @@ def tree_attention_mask(
             (padding tokens of the prompt, as a 2D ``attention_mask`` with zeros marks them).
     """
     device = parents.device if device is None else torch.device(device)
-    anc = ancestor_matrix(parents.to(device), max_depth=max_depth)
+    # The ancestor walk is a few tiny ops per level: run it where the parents live (the
+    # CPU, normally) and ship one bool matrix, instead of syncing a GPU every level.
+    anc = ancestor_matrix(parents, max_depth=max_depth).to(device)
     return visibility_to_mask(anc, prefix_len, dtype=dtype, prefix_hidden=prefix_hidden)
 
 
