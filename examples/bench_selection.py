@@ -75,7 +75,7 @@ def run_e2e(args) -> None:
 
     from specfit_hf import EmulatedLink, offload_experts
     from specfit_hf.generation import SpecFitConfig
-    from specfit_hf.selection import SpecFitPolicy, calibrate, register_policy
+    from specfit_hf.selection import SpecFitPolicy, calibrate, mape, register_policy
 
     captured: list[SpecFitPolicy] = []
 
@@ -102,8 +102,9 @@ def run_e2e(args) -> None:
                               link=EmulatedLink(gbps=args.gbps, latency_us=args.latency_us))
     print(runtime)
     print(f"emulated seconds per expert: {runtime.link.transfer_seconds(runtime.expert_bytes) * 1e3:.3f} ms")
-    cost = calibrate(target, None, runtime)
-    print(f"calibrated: {cost}")
+    cost, samples = calibrate(target, None, runtime, return_samples=True)
+    fit_err = mape([cost.predict(n, m) for n, m, _ in samples], [sec for _, _, sec in samples])
+    print(f"calibrated: {cost}; MAPE on its {len(samples)} profiling forwards {fit_err:.1f} %")
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (1, 8), generator=g) for _ in range(args.prompts)]
     refs = [target.generate(p, max_new_tokens=args.new_tokens, do_sample=False) for p in prompts]
