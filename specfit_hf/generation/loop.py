@@ -109,6 +109,13 @@ def _target_cache(model, model_kwargs: dict) -> SpecFitCache:
     )
 
 
+# Model kwargs generate() prepares that the loop handles itself.
+_HANDLED_MODEL_KWARGS = {
+    "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_embeds",
+    "output_attentions", "output_hidden_states",
+}
+
+
 def _check_supported(model, input_ids, generation_config, model_kwargs, assistant_model) -> None:
     if input_ids.shape[0] != 1:
         raise ValueError(
@@ -122,6 +129,11 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, assistan
         raise ValueError("tree speculative decoding requires use_cache=True")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("tree speculative decoding takes input_ids, not inputs_embeds")
+    # Extra forward inputs (token_type_ids, pixel values, ...) would be dropped by the
+    # tree forwards: refuse them rather than decode something else.
+    unsupported = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
+    if unsupported:
+        raise ValueError(f"tree speculative decoding does not support these model inputs: {unsupported}")
     attn = str(getattr(model.config, "_attn_implementation", "") or "")
     if attn.startswith("flash") or "flex" in attn:
         raise ValueError(
