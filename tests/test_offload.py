@@ -500,3 +500,33 @@ def _greedy_on(model, prompt):
     out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits)
+
+
+def test_frozen_forward_leaves_cache_and_stats_untouched():
+    """runtime.frozen(): exact forward, then cache state, slot contents and counters as before."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=16, num_experts_per_tok=2)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    x = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        ref = model(x).logits
+        runtime = offload_experts(model, device="cpu", slots_per_layer=4)
+        model(x[:, :3])
+        before = {i: runtime.cached_experts(i) for i in runtime.moe_layers}
+        slots_before = {i: runtime._layers[i].slots["gate_up_proj"].clone() for i in runtime.moe_layers}
+        stats_before = runtime.stats.total.copy()
+        with runtime.frozen():
+            out = model(x).logits  # 12 tokens route to more experts than 4 slots: loads happen inside
+            assert runtime.stats.total.misses > stats_before.misses
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        assert {i: runtime.cached_experts(i) for i in runtime.moe_layers} == before
+        for i in runtime.moe_layers:
+            assert torch.equal(runtime._layers[i].slots["gate_up_proj"], slots_before[i])
+        assert runtime.stats.total == stats_before
+        # and the cache still works exactly afterwards
+        torch.testing.assert_close(model(x).logits, ref, atol=1e-5, rtol=0)
+    runtime.detach()

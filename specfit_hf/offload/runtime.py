@@ -25,9 +25,11 @@ On CPU, a copy into the slot, optionally slowed to an ``EmulatedLink``'s speed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from typing import Callable, Optional
+from dataclasses import fields
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -230,6 +232,44 @@ class OffloadRuntime:
         """Drop every resident expert of every layer: the next use of any expert misses."""
         for layer in self._layers.values():
             layer.cache.flush()
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Forwards inside leave the expert cache as they found it (benchmarks only).
+
+        The "oracle" selection policy runs the target over a whole draft tree to learn the
+        true acceptance and routing, then must leave no trace: the resident experts, the
+        eviction state, the slot contents and the counters are restored on exit, and the
+        emulated link is bypassed while inside.  Exactness of the forward is unchanged.
+        Costs a copy of every slot buffer, so it is not for the decoding hot path.
+        """
+        self._collect_transfer_times()
+        saved_link, saved_tick = self.link, self._tick
+        saved = []
+        for layer in self._layers.values():
+            cache = layer.cache
+            saved.append((
+                layer,
+                {name: getattr(cache, name).copy() for name in ("slot_of", "expert_in_slot", "last_use", "use_count")},
+                {name: t.clone() for name, t in layer.slots.items()},
+                layer.stats.copy(),
+            ))
+        total = self._stats.total.copy()
+        self.link = None
+        try:
+            yield
+        finally:
+            self._collect_transfer_times()
+            for layer, arrays, slot_copies, stats in saved:
+                for name, value in arrays.items():
+                    setattr(layer.cache, name, value)
+                for name, t in slot_copies.items():
+                    layer.slots[name].copy_(t)
+                for f in fields(stats):
+                    setattr(layer.stats, f.name, getattr(stats, f.name))
+            for f in fields(total):
+                setattr(self._stats.total, f.name, getattr(total, f.name))
+            self.link, self._tick = saved_link, saved_tick
 
     def detach(self) -> None:
         """Undo ``offload_experts``: the model's own expert parameters, forward and device come back."""
