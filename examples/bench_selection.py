@@ -68,14 +68,9 @@ def make_experts(rng, parents, layers, experts, top_k, correlated):
 
 
 def run_e2e(args) -> None:
-    import copy
-
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from specfit_hf import EmulatedLink, offload_experts
-    from specfit_hf.generation import SpecFitConfig
-    from specfit_hf.selection import SpecFitPolicy, calibrate, mape, register_policy
+    from specfit_hf.selection import SpecFitPolicy, register_policy
 
     captured: list[SpecFitPolicy] = []
 
@@ -84,6 +79,26 @@ def run_e2e(args) -> None:
         def __init__(self, config):
             super().__init__(config)
             captured.append(self)
+
+    if args.eagle3_draft:
+        from specfit_hf.eagle3 import Eagle3DraftModel
+        from specfit_hf.eagle3.testing import tiny_target
+
+        target = tiny_target(seed=args.seed, num_layers=4)  # the target examples/measure_expert_predictors.py trains on
+        draft = Eagle3DraftModel.from_pretrained(args.eagle3_draft, dtype=torch.float32).eval()
+        draft.attach_target_embeddings(target)
+        cfg = target.config
+    else:
+        target, draft, cfg = _noisy_pair(args)
+    measure = ["router", "history", "history+router"] + (["heads"] if args.eagle3_draft else [])
+    _run_policies(args, target, draft, cfg, measure, captured)
+
+
+def _noisy_pair(args):
+    import copy
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(
@@ -98,6 +113,16 @@ def run_e2e(args) -> None:
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(args.draft_noise * p.std() * torch.randn_like(p))
+    return target, draft, cfg
+
+
+def _run_policies(args, target, draft, cfg, measure, captured):
+    import torch
+
+    from specfit_hf import EmulatedLink, offload_experts
+    from specfit_hf.generation import SpecFitConfig
+    from specfit_hf.selection import calibrate, mape
+
     runtime = offload_experts(target, device="cpu", slots_per_layer=args.slots,
                               link=EmulatedLink(gbps=args.gbps, latency_us=args.latency_us))
     print(runtime)
@@ -110,7 +135,7 @@ def run_e2e(args) -> None:
     refs = [target.generate(p, max_new_tokens=args.new_tokens, do_sample=False) for p in prompts]
     runs = [("autoregressive", "autoregressive", {}, 8)]
     runs += [(f"eagle3 N={n}", "eagle3", {}, n) for n in args.eagle_n]
-    runs += [("specfit", "specfit-bench", {"cost": cost, "measure_predictors": ["router", "history", "history+router"]}, 64)]
+    runs += [("specfit", "specfit-bench", {"cost": cost, "measure_predictors": measure}, 64)]
     runs += [("specfit (always draft)", "specfit-bench", {"cost": cost, "adaptive_drafting": False}, 64)]
     print(f"{'policy':<24} {'tok/s':>7} {'tau':>5} {'verified/cyc':>12} {'experts/tok':>11} {'lossless':>8}")
     for label, policy, kwargs, n in runs:
@@ -163,6 +188,8 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=0.05, help="emulated link bandwidth, GB/s")
     ap.add_argument("--latency-us", type=float, default=100.0)
     ap.add_argument("--draft-noise", type=float, default=0.3)
+    ap.add_argument("--eagle3-draft", default=None,
+                    help="a draft saved by examples/measure_expert_predictors.py --save (its tiny target is rebuilt)")
     args = ap.parse_args()
     if args.e2e:
         run_e2e(args)

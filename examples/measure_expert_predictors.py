@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--slots", type=int, default=4, help="device slots per layer (of 8 experts)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", default=None, help="also save the trained draft here (for bench_selection.py --e2e --eagle3-draft)")
     args = ap.parse_args()
 
     target = tiny_target(seed=args.seed, num_layers=4)
@@ -69,6 +70,8 @@ def main() -> None:
                           warmup_steps=20, save_every=10**9, log_every=10**9)
         summary = train_eagle3(cfg, target=target, blocks=blocks, progress=True)
         draft = Eagle3DraftModel.from_pretrained(out_dir, dtype=torch.float32).eval()
+    if args.save:
+        draft.save_pretrained(args.save)
     print("training summary:", {k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
     draft.attach_target_embeddings(target)
 

@@ -13,6 +13,13 @@
    verified together with its newest-level ancestor; when even the newest level is not
    worth verifying, its children (whose path acceptance is at most their parent's) rarely
    are, and every further level costs a draft step.
+5. **adaptive drafting** (on the empty tree): a cycle drafts nothing (verifies the root
+   alone) while measured tokens/s of drafting cycles trail those of plain cycles, with
+   one exploring cycle of the other kind every ``explore_every`` cycles.  This is how
+   the policy degrades to plain decoding when the draft is too slow or too inaccurate
+   for the link (the per-cycle search cannot see the cost of a draft level it has not
+   drafted yet).  Drafting time per level is tracked separately (EMA) and added to the
+   search's ``t0`` for the levels already drafted.
 
 After verification (``observe``) it learns online: the acceptance calibrator from the
 outcome of every verified node whose parent's choice was observed, the expert history
@@ -24,7 +31,10 @@ dict), ``calibrate`` (bool: profile the host in ``reset``), ``expert_predictor``
 (``auto`` | ``router`` | ``history`` | ``history+router`` | ``heads`` | ``none``),
 ``measure_predictors`` (list of predictor names also scored each cycle, for reports),
 ``max_nodes`` (only the ``max_nodes`` most likely nodes are candidates), ``online_cost``
-(bool, default True), ``acceptance`` (dict of :class:`AcceptanceCalibrator` args).
+(bool, default True), ``acceptance`` (dict of :class:`AcceptanceCalibrator` args),
+``adaptive_drafting`` (bool, default True), ``explore_every`` (int, default 8).
+``max_verify_nodes`` of the config is not used: the cost model sizes the subtree.
+Give ``cost`` as a dict if the config is to be saved (``save_pretrained`` writes JSON).
 
 ``oracle`` (benchmarks only) knows the true acceptance and the true experts: see
 :class:`OraclePolicy` for what it needs from the loop.
