@@ -325,3 +325,11 @@ def test_oracle_generation_verifies_only_accepted_nodes(offloaded_pair):
     assert torch.equal(out.sequences, ref)
     assert all(c.tokens_accepted == c.nodes_verified for c in out.cycles)  # it knows the truth
     assert any(c.nodes_verified > 0 for c in out.cycles)
+
+
+def test_calibrate_runs_on_a_real_offloaded_model(offloaded_pair):
+    target, _, runtime = offloaded_pair
+    fit, samples = calibrate(target, None, runtime, token_counts=(1, 4), repeats=1, return_samples=True)
+    assert isinstance(fit, CostModel)
+    assert any(misses > 0 for _, misses, _ in samples)  # the flushed runs miss
+    assert all(seconds > 0 for _, _, seconds in samples)
