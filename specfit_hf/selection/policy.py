@@ -8,7 +8,9 @@ The generation loop calls a policy in three places of every cycle:
 * ``observe(tree, selection, result, record)`` after verification, so a policy can
   refine its estimates online.
 
-Policies are looked up by name (``SpecFitConfig(policy=...)``) in a small registry.
+Policies are looked up by name (``SpecFitConfig(policy=...)``) in a small registry:
+``eagle3`` and ``autoregressive`` here, ``specfit`` (throughput-optimal subtree, exact
+search) and ``oracle`` (benchmark upper bound) in :mod:`specfit_hf.selection.specfit`.
 """
 
 from __future__ import annotations
