@@ -333,3 +333,26 @@ def test_calibrate_runs_on_a_real_offloaded_model(offloaded_pair):
     assert isinstance(fit, CostModel)
     assert any(misses > 0 for _, misses, _ in samples)  # the flushed runs miss
     assert all(seconds > 0 for _, _, seconds in samples)
+
+
+def test_specfit_with_eagle3_expert_heads_is_lossless():
+    """The draft's learned heads (untrained here) feed the policy: mechanics and losslessness."""
+    from specfit_hf import EmulatedLink, offload_experts
+    from specfit_hf.eagle3.testing import tiny_draft, tiny_target
+    from specfit_hf.generation import SpecFitConfig
+
+    target = tiny_target(num_layers=4)
+    draft = tiny_draft(expert_predictor={"moe_layers": [0, 1, 2, 3], "num_experts": 8, "top_k": 2})
+    runtime = offload_experts(target, device="cpu", slots_per_layer=4, link=EmulatedLink(gbps=1.0))
+    try:
+        ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+        ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+        _CAPTURED.clear()
+        cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, max_depth=3, tree_top_k=3,
+                            policy="specfit-test-capture", policy_kwargs={"adaptive_drafting": False})
+        out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+        assert torch.equal(out, ref)
+        assert _CAPTURED[-1].predictor.name == "heads"  # "auto" picks the heads when the draft has them
+        assert _CAPTURED[-1].quality["policy"].blocks > 0
+    finally:
+        runtime.detach()
