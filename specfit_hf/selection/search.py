@@ -22,6 +22,11 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   ancestor is in every closure containing the node); items left with one user fold
   into that user's weight; items with the same user set merge; subtrees without a
   positive-weight node are dropped.
+* Before any cut, a cheap certificate: split every shared item's cost over its users
+  (any split is a relaxation whose optimum is a linear-time tree DP and bounds the
+  closure from above).  If the bound cannot beat the incumbent, it is optimal; if the
+  DP's set beats it, that is the next Dinkelbach step.  A few rounds move each item's
+  cost toward the users the relaxation wants; most calls end here without a min cut.
 * scipy's ``maximum_flow`` takes int32 capacities, so the cut is computed by
   successive refinement: scale the (residual) capacities to 2^30, floor, max-flow,
   subtract, repeat on the residual network.  After each round the exact float gap
