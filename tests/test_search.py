@@ -225,3 +225,14 @@ def test_item_groups_match_user_sets(n):
         members = frozenset(problem.member_node[problem.member_group == g].tolist())
         got[members] = got.get(members, 0) + int(problem.group_cost_count[g])
     assert got == expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(instances())
+def test_min_cut_path_alone_matches_brute_force(monkeypatch, inst):
+    """With the cost-split certificate disabled every step goes through the refined min cut."""
+    import specfit_hf.selection.search as search
+
+    monkeypatch.setattr(search, "_SPLIT_ROUNDS", 0)
+    sel = select_subtree(*inst)
+    assert sel.throughput >= brute_force(*inst) * (1 - 1e-9)
