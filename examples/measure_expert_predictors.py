@@ -7,6 +7,8 @@ experts of ``[root] + verified nodes`` against the union the target actually rou
 
     python examples/measure_expert_predictors.py              # ~ a few minutes on 2 cores
     python examples/measure_expert_predictors.py --steps 600 --prompts 6
+    python examples/measure_expert_predictors.py --target model_cards/specfit-tiny-qwen3moe   # trained target,
+        # GSM8K prompts, a noisy copy of the target as draft: training-free predictors only
 
 Predictors: ``router`` (the target's routers on the draft hidden state), ``history``
 (per-token routing learned online), ``history+router`` (history, router for unseen
@@ -50,6 +52,53 @@ def sample_blocks(target, num: int, length: int, seed: int) -> torch.LongTensor:
     return out[:, :length]
 
 
+def _report(totals: dict) -> None:
+    print(f"\n{'predictor':<16} {'recall':>7} {'precision':>9}   (per-layer union over verified blocks, micro-avg)")
+    for name, (hit, pred, actual) in totals.items():
+        if actual:
+            print(f"{name:<16} {hit / actual:>7.3f} {hit / pred if pred else float('nan'):>9.3f}")
+
+
+def measure_trained_target(args) -> None:
+    """Training-free predictors on a trained target, GSM8K prompts, a noisy-copy draft."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specfit_hf.data import load_prompts
+
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(args.target)
+    torch.manual_seed(args.seed)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(args.draft_noise * p.std() * torch.randn_like(p))
+    num_experts = int(getattr(target.config, "num_experts", None) or target.config.num_local_experts)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=max(args.slots, num_experts // 4),
+                              link=EmulatedLink(gbps=1.0))
+    names = ["router", "history", "history+router"]
+    totals = {name: [0, 0, 0] for name in names}
+    for i, row in enumerate(load_prompts("gsm8k", n=args.prompts)):
+        ids = tok(row["prompt"], return_tensors="pt").input_ids
+        ref = target.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
+        gc = SpecFitConfig(max_new_tokens=args.new_tokens, do_sample=False, max_depth=4, tree_top_k=4,
+                           policy="specfit-measure", return_dict_in_generate=True,
+                           policy_kwargs={"adaptive_drafting": False, "expert_predictor": "history+router",
+                                          "measure_predictors": names})
+        out = target.generate(ids, assistant_model=draft, generation_config=gc)
+        assert torch.equal(out.sequences, ref), "specfit changed the greedy output"
+        tau = (out.sequences.shape[1] - ids.shape[1]) / len(out.cycles)
+        print(f"prompt {i}: tau {tau:.2f}, verified/cycle {sum(c.nodes_verified for c in out.cycles) / len(out.cycles):.2f}")
+        for name in names:
+            q = _CAPTURED[-1].quality[name]
+            totals[name][0] += q.hit
+            totals[name][1] += q.predicted
+            totals[name][2] += q.actual
+    _report(totals)
+    runtime.detach()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
@@ -59,9 +108,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--slots", type=int, default=4, help="device slots per layer (of 8 experts)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default=None, help="a trained target folder: measure the training-free predictors on it")
+    ap.add_argument("--draft-noise", type=float, default=0.1)
     ap.add_argument("--save", default=None, help="also save the trained draft here (for bench_selection.py --e2e --eagle3-draft)")
     args = ap.parse_args()
 
+    if args.target:
+        measure_trained_target(args)
+        return
     target = tiny_target(seed=args.seed, num_layers=4)
     blocks = sample_blocks(target, args.blocks, args.seq_len, args.seed)
     with tempfile.TemporaryDirectory() as out_dir:
