@@ -70,9 +70,11 @@ def prompts(n: int, seed: int = 0, vocab: int = VOCAB) -> list[torch.Tensor]:
 
 
 TREE_SETTINGS = [
-    dict(max_depth=1, tree_top_k=1, max_verify_nodes=1),  # one-token chain
-    dict(max_depth=4, tree_top_k=3, max_verify_nodes=8),
-    dict(max_depth=7, tree_top_k=10, max_verify_nodes=60),  # EAGLE-3 defaults
+    dict(policy="eagle3", max_depth=1, tree_top_k=1, max_verify_nodes=1),  # one-token chain
+    dict(policy="eagle3", max_depth=4, tree_top_k=3, max_verify_nodes=8),
+    dict(policy="eagle3", max_depth=7, tree_top_k=10, max_verify_nodes=60),  # EAGLE-3 defaults
+    dict(policy="specfit", max_depth=4, tree_top_k=3),  # throughput-optimal subtree (the default policy)
+    dict(policy="specfit", max_depth=7, tree_top_k=10),
 ]
 
 
@@ -106,7 +108,7 @@ def test_greedy_matches_target_generate(targets, target_name):
 def test_self_draft_accepts_full_depth(targets):
     target = targets["llama"]
     ids = prompts(1, seed=3)[0]
-    cfg = SpecFitConfig(max_new_tokens=25, do_sample=False, max_depth=4, tree_top_k=1, max_verify_nodes=4,
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=25, do_sample=False, max_depth=4, tree_top_k=1, max_verify_nodes=4,
                         return_dict_in_generate=True)
     out = target.generate(ids, assistant_model=target, generation_config=cfg)
     # A chain drafted by the target itself is always accepted: depth + bonus per cycle.
@@ -118,7 +120,7 @@ def test_self_draft_accepts_full_depth(targets):
 def test_exact_max_new_tokens(targets, max_new):
     target = targets["qwen3_moe"]
     for ids in prompts(3, seed=max_new):
-        cfg = SpecFitConfig(max_new_tokens=max_new, do_sample=False, max_depth=5, tree_top_k=2, max_verify_nodes=10)
+        cfg = SpecFitConfig(policy="eagle3", max_new_tokens=max_new, do_sample=False, max_depth=5, tree_top_k=2, max_verify_nodes=10)
         out = target.generate(ids, assistant_model=target, generation_config=cfg)
         assert out.shape[1] == ids.shape[1] + max_new
         assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=max_new))
@@ -133,7 +135,7 @@ def test_eos_inside_tree_stops_like_generate(targets):
     expected = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
     expected = expected[:, : ids.shape[1] + new.index(eos) + 1]
     for eos_arg in (eos, [VOCAB - 1, eos]):
-        cfg = SpecFitConfig(max_new_tokens=20, do_sample=False, eos_token_id=eos_arg, pad_token_id=0,
+        cfg = SpecFitConfig(policy="eagle3", max_new_tokens=20, do_sample=False, eos_token_id=eos_arg, pad_token_id=0,
                             max_depth=7, tree_top_k=2, max_verify_nodes=14, return_dict_in_generate=True)
         out = target.generate(ids, assistant_model=target, generation_config=cfg)
         assert torch.equal(out.sequences, expected)
@@ -157,7 +159,7 @@ def test_custom_stopping_criteria_inside_tree(targets):
     stop_tok = ref[0, ids.shape[1] + 4].item()
     criteria = StoppingCriteriaList([_StopAfterToken(stop_tok)])
     expected = target.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria)
-    cfg = SpecFitConfig(max_new_tokens=20, do_sample=False, max_depth=6, tree_top_k=2, max_verify_nodes=12)
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=20, do_sample=False, max_depth=6, tree_top_k=2, max_verify_nodes=12)
     out = target.generate(ids, assistant_model=target, generation_config=cfg, stopping_criteria=criteria)
     assert torch.equal(out, expected)
 
@@ -178,7 +180,7 @@ def test_streamer_receives_tokens_as_committed(targets):
     target = targets["qwen3_moe"]
     ids = prompts(1, seed=8)[0]
     streamer = _Collect()
-    cfg = SpecFitConfig(max_new_tokens=15, do_sample=False, max_depth=4, tree_top_k=2, max_verify_nodes=8,
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=15, do_sample=False, max_depth=4, tree_top_k=2, max_verify_nodes=8,
                         return_dict_in_generate=True)
     out = target.generate(ids, assistant_model=target, generation_config=cfg, streamer=streamer)
     assert streamer.ended
@@ -192,7 +194,7 @@ def test_streamer_receives_tokens_as_committed(targets):
 def test_cycle_records(targets):
     target = targets["qwen3_moe"]
     ids = prompts(1, seed=9)[0]
-    cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, max_depth=3, tree_top_k=2, max_verify_nodes=5,
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=12, do_sample=False, max_depth=3, tree_top_k=2, max_verify_nodes=5,
                         return_dict_in_generate=True, output_scores=True)
     out = target.generate(ids, assistant_model=tiny_llama(3, layers=1), generation_config=cfg)
     assert all(isinstance(c, CycleRecord) for c in out.cycles)
@@ -219,7 +221,7 @@ def test_batch_size_above_one_is_rejected(targets):
     target = targets["llama"]
     ids = torch.randint(0, VOCAB, (2, 5))
     with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(ids, assistant_model=target, generation_config=SpecFitConfig(max_new_tokens=4))
+        target.generate(ids, assistant_model=target, generation_config=SpecFitConfig(policy="eagle3", max_new_tokens=4))
 
 
 def test_unknown_policy_is_rejected(targets):
@@ -270,14 +272,14 @@ def test_padded_draft_vocab_is_accepted_for_specfit(targets):
     target = targets["llama"]
     draft = tiny_llama(14, layers=1, vocab=VOCAB + 8)  # e.g. a padded embedding matrix
     ids = prompts(1, seed=14)[0]
-    cfg = SpecFitConfig(max_new_tokens=10, do_sample=False, max_depth=3, tree_top_k=4, max_verify_nodes=10)
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=10, do_sample=False, max_depth=3, tree_top_k=4, max_verify_nodes=10)
     out = target.generate(ids, assistant_model=draft, generation_config=cfg)
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
 
 
 def test_config_defaults_and_round_trip(tmp_path):
     cfg = SpecFitConfig()
-    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "eagle3")
+    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "specfit")
     cfg = SpecFitConfig(max_depth=5, tree_top_k=4, max_verify_nodes=32, policy="eagle3",
                         policy_kwargs={"alpha": 0.5}, max_new_tokens=7, do_sample=True, top_k=20)
     d = cfg.to_dict()
@@ -290,7 +292,7 @@ def test_config_defaults_and_round_trip(tmp_path):
     assert isinstance(loaded, SpecFitConfig) and loaded.tree_settings() == cfg.tree_settings()
     assert loaded.max_new_tokens == 7 and loaded.top_k == 20
     with pytest.raises(ValueError):
-        SpecFitConfig(max_depth=0)
+        SpecFitConfig(policy="eagle3", max_depth=0)
 
 
 def _has_offload_runtime() -> bool:
@@ -310,7 +312,7 @@ def test_greedy_with_offloaded_experts():
     runtime = offload_experts(target, device="cpu", slots_per_layer=3)
     try:
         for ids, ref in refs:
-            cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, max_depth=4, tree_top_k=3, max_verify_nodes=10,
+            cfg = SpecFitConfig(policy="eagle3", max_new_tokens=12, do_sample=False, max_depth=4, tree_top_k=3, max_verify_nodes=10,
                                 return_dict_in_generate=True)
             out = target.generate(ids, assistant_model=noisy_copy(tiny_qwen3_moe(0)), generation_config=cfg)
             assert torch.equal(out.sequences, ref)
@@ -347,7 +349,7 @@ def test_prompt_with_pad_tokens_matches_generate(targets):
     expected = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=5)
     unmasked = target.generate(ids, do_sample=False, max_new_tokens=12, attention_mask=torch.ones_like(ids))
     assert not torch.equal(expected, unmasked)  # the padding really changes the output
-    cfg = SpecFitConfig(max_new_tokens=12, do_sample=False, pad_token_id=5, max_depth=4, tree_top_k=3,
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=12, do_sample=False, pad_token_id=5, max_depth=4, tree_top_k=3,
                         max_verify_nodes=9)
     out = target.generate(ids, assistant_model=target, generation_config=cfg)
     assert torch.equal(out, expected)

@@ -32,7 +32,9 @@ class SpecFitConfig(GenerationConfig):
             ``tree_top_k`` most likely children and the ``tree_top_k`` best nodes of a level
             (by cumulative draft probability) are expanded (EAGLE-3: 10).
         max_verify_nodes: most draft nodes verified per cycle, root excluded (EAGLE-3: 60).
-        policy: name of the selection policy (see ``specfit_hf.selection.available_policies()``).
+        policy: name of the selection policy (see ``specfit_hf.selection.available_policies()``):
+            ``"specfit"`` (default; throughput-optimal subtree), ``"eagle3"`` (top
+            ``max_verify_nodes`` by draft score), ``"autoregressive"``, ``"oracle"`` (benchmarks).
         policy_kwargs: extra settings for the policy, stored verbatim.
         **kwargs: any ``GenerationConfig`` argument (``max_new_tokens``, ``do_sample``, ...).
     """
@@ -42,7 +44,7 @@ class SpecFitConfig(GenerationConfig):
         max_depth: int = EAGLE3_DEFAULTS["max_depth"],
         tree_top_k: int = EAGLE3_DEFAULTS["tree_top_k"],
         max_verify_nodes: int = EAGLE3_DEFAULTS["max_verify_nodes"],
-        policy: str = "eagle3",
+        policy: str = "specfit",
         policy_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
