@@ -175,6 +175,11 @@ def test_text_and_jsonl_documents(tmp_path):
     assert docs[0].startswith("Article: Some news.") and docs[0].endswith("News.") and docs[1] == "plain"
     with pytest.raises(ValueError, match="mix"):
         load_text_dataset([txt, js])
+    # files of different datasets (different columns) load together
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "2+2?", "answer": "4\n#### 4"}) + "\n")
+    docs = load_text_dataset([gsm, js])
+    assert len(docs) == 3 and docs[0].startswith("Question: 2+2?") and docs[2] == "plain"
 
 
 @pytest.mark.slow

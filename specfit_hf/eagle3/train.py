@@ -364,18 +364,26 @@ def load_text_dataset(paths: Sequence[str], text_field: str | None = None):
     if kind == "text":
         ds = load_dataset("text", data_files=paths, split="train", sample_by="paragraph")
         return [r["text"].strip() for r in ds if r["text"].strip()]
-    ds = load_dataset("json", data_files=paths, split="train")
-    return [_row_text(r, text_field) for r in ds]
+    # One load per file: files of different datasets have different columns, which a
+    # single load_dataset call over all of them refuses to merge.
+    docs: list[str] = []
+    for path in paths:
+        docs.extend(_row_text(r, text_field) for r in load_dataset("json", data_files=path, split="train"))
+    return docs
 
 
 def pack_blocks(tokenizer: Any, docs: Iterable[str], seq_len: int, max_tokens: int) -> torch.LongTensor:
-    """Tokenize documents (separated by EOS) and cut them into ``[N, seq_len]`` blocks."""
+    """Tokenize documents (separated by EOS) and cut them into ``[N, seq_len]`` blocks.
+
+    Each document is tokenized with the tokenizer's special tokens (e.g. a leading BOS),
+    as the target sees its prompts at inference.
+    """
     sep = tokenizer.eos_token_id
     ids: list[int] = []
     for doc in docs:
         if not doc.strip():
             continue
-        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        ids.extend(tokenizer(doc)["input_ids"])
         if sep is not None:
             ids.append(int(sep))
         if len(ids) >= max_tokens:
