@@ -21,7 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target folder (default: the embedded tiny Qwen3-MoE)")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft folder or a small causal LM (default: embedded)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1; the emulated link is scaled to the measured compute, "
+                   "which an oversubscribed thread pool distorts)")
 
 
 def _add_offload_args(p: argparse.ArgumentParser, default_fraction: float = 0.5) -> None:

@@ -28,9 +28,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache-fraction", type=float, default=0.5)
     parser.add_argument("--link", default="qwen3-pcie4", help="link regime (specfit_hf.regimes.REGIMES)")
     parser.add_argument("--max-source-chars", type=int, default=600)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: the tiny model's small matmuls gain nothing from more, and an "
+        "oversubscribed OpenMP pool distorts the measured compute the emulated link is scaled to)",
+    )
     args = parser.parse_args(argv)
 
     import torch
+
+    torch.set_num_threads(args.threads)
     from tqdm.auto import tqdm
 
     from .bench import default_variants, link_for_regime, measure_cached_step, run_variant, summarize

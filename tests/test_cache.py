@@ -11,23 +11,9 @@ from transformers import DynamicCache, MistralConfig
 from specfit_hf.generation import SpecFitCache, UnsupportedCacheLayerError, tree_attention_mask
 from specfit_hf.generation.tree_mask import ancestor_matrix, block_depths
 
-from test_generation import VOCAB, tiny_llama, tiny_qwen3_moe
+from test_generation import VOCAB, one_thread, shared_tiny_model  # noqa: F401  (one_thread is a fixture)
 
-MODELS = {}
-
-
-def model(name):
-    if name not in MODELS:
-        MODELS[name] = tiny_qwen3_moe(0) if name == "qwen3_moe" else tiny_llama(0)
-    return MODELS[name]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @st.composite
@@ -45,7 +31,7 @@ def tree_blocks(draw, max_nodes=9):
        continuation=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4))
 @settings(max_examples=15, deadline=None)
 def test_gather_then_continue_equals_recompute(name, block, prefix, continuation):
-    m = model(name)
+    m = shared_tiny_model(name)
     parents, tokens, leaf = block
     p = torch.tensor(parents)
     with torch.no_grad():

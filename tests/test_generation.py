@@ -54,6 +54,25 @@ def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB, hidden: int =
     return LlamaForCausalLM(cfg).eval()
 
 
+_SHARED_MODELS: dict = {}
+
+
+def shared_tiny_model(name: str):
+    """One tiny random target per kind ("qwen3_moe" or "llama"), built once per test session."""
+    if name not in _SHARED_MODELS:
+        _SHARED_MODELS[name] = tiny_qwen3_moe(0) if name == "qwen3_moe" else tiny_llama(0)
+    return _SHARED_MODELS[name]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's many small forwards on one thread (faster than two for tiny shapes)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def noisy_copy(model, scale: float = 0.3, seed: int = 1):
     """A draft sharing the target's weights up to noise: accepts long paths, but not always."""
     torch.manual_seed(seed)

@@ -10,23 +10,9 @@ from hypothesis import strategies as st
 from specfit_hf.generation import SpecFitCache, ancestor_matrix, tree_attention_mask
 from specfit_hf.generation.tree_mask import block_depths
 
-from test_generation import VOCAB, tiny_llama, tiny_qwen3_moe
+from test_generation import VOCAB, one_thread, shared_tiny_model  # noqa: F401  (one_thread is a fixture)
 
-MODELS = {}
-
-
-def model(name):
-    if name not in MODELS:
-        MODELS[name] = tiny_qwen3_moe(0) if name == "qwen3_moe" else tiny_llama(0)
-    return MODELS[name]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @st.composite
@@ -73,7 +59,7 @@ def test_mask_values_and_shape():
 @given(forest=forests(), prefix=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))
 @settings(max_examples=15, deadline=None)
 def test_tree_forward_equals_linear_branches(name, forest, prefix):
-    m = model(name)
+    m = shared_tiny_model(name)
     parents, tokens = forest
     p = torch.tensor(parents)
     prefix_ids = torch.tensor([prefix])
