@@ -78,7 +78,7 @@ def main() -> None:
     prompts = [torch.randint(0, args.vocab, (1, args.prompt_len), generator=g).to(args.device) for _ in range(args.prompts)]
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     cfg = SpecFitConfig(
-        max_new_tokens=args.max_new_tokens, max_depth=args.depth, tree_top_k=args.top_k,
+        policy="eagle3", max_new_tokens=args.max_new_tokens, max_depth=args.depth, tree_top_k=args.top_k,
         max_verify_nodes=args.nodes, return_dict_in_generate=True, **sampling,
     )
     # Warm-up (allocator, lazy init).

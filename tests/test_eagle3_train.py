@@ -199,7 +199,7 @@ def test_trained_draft_is_accepted_in_generate(tmp_path):
     untrained = Eagle3DraftModel(trained.config)
     untrained.set_vocab_mapping(trained.draft_to_target(torch.arange(64)))
 
-    gcfg = SpecFitConfig(max_new_tokens=40, do_sample=False, max_depth=5, tree_top_k=4, max_verify_nodes=16,
+    gcfg = SpecFitConfig(policy="eagle3", max_new_tokens=40, do_sample=False, max_depth=5, tree_top_k=4, max_verify_nodes=16,
                          return_dict_in_generate=True)
     tau = {}
     for name, draft in (("untrained", untrained), ("trained", trained)):
