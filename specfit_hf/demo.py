@@ -23,7 +23,7 @@ DEMO_VARIANTS = ("autoregressive", "eagle3", "specfit")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--cache-fraction", type=float, default=0.5)
     parser.add_argument("--link", default="qwen3-pcie4", help="link regime (specfit_hf.regimes.REGIMES)")
@@ -52,12 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("cnn_dailymail", "gsm8k"):
         rows = load_prompts(name, "test", n=args.prompts, max_source_chars=args.max_source_chars)
         datasets[name] = [tok(r["prompt"], return_tensors="pt").input_ids for r in rows]
+    num_params = sum(p.numel() for p in target.parameters())  # before the experts move to host slots
     cached_step = measure_cached_step(target, datasets["gsm8k"][0], new_tokens=8, repeats=2)
     runtime = offload_experts(target, device="cpu", cache_fraction=args.cache_fraction)
     runtime.link = link_for_regime(args.link, runtime, cached_step)
     variants = [v for v in default_variants() if v.label in DEMO_VARIANTS]
     print(
-        f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, "
+        f"target: {num_params / 1e6:.1f}M params, "
         f"{len(runtime.moe_layers)} MoE layers x {runtime.num_experts} experts (top-{runtime.top_k}); "
         f"device cache {args.cache_fraction:.0%} of experts; emulated link: {REGIMES[args.link].description} "
         f"-> {runtime.link} (cached decode step here {cached_step * 1e3:.1f} ms)"
