@@ -25,14 +25,9 @@ from specfit_hf.generation import CycleRecord, SpecFitCache, SpecFitConfig, hf_i
 
 VOCAB = 64
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: intra-op threading only adds overhead, and the CI box is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
 
 
 def tiny_qwen3_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3MoeForCausalLM:
@@ -66,7 +61,8 @@ def shared_tiny_model(name: str):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Run a module's many small forwards on one thread (faster than two for tiny shapes)."""
+    """Run a module's many small forwards on one thread: for tiny shapes intra-op threading
+    only adds overhead, and the CI box is shared."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -23,17 +23,12 @@ from specfit_hf.generation import Drafter, SpecFitConfig, TreeCandidateGenerator
 from specfit_hf.selection import CycleContext, get_policy
 from specfit_hf.tree import DraftTree
 
-from test_generation import noisy_copy, tiny_llama
+from test_generation import noisy_copy, one_thread, tiny_llama  # noqa: F401  (one_thread is a fixture)
 
 ALPHA = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _assert_matches(counts: torch.Tensor, probs: torch.Tensor, what: str) -> None:

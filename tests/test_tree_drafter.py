@@ -9,15 +9,10 @@ import torch
 from specfit_hf.generation import CausalLMTreeDrafter, SpecFitConfig, make_drafter
 from specfit_hf.tree import DraftTree, VerifyResult
 
-from test_generation import VOCAB, tiny_llama, tiny_qwen3_moe
+from test_generation import VOCAB, one_thread, tiny_llama, tiny_qwen3_moe  # noqa: F401  (one_thread is a fixture)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _linear_probs(draft, seq: list[int]) -> torch.Tensor:
