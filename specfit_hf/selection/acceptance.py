@@ -20,7 +20,7 @@ import torch
 
 from ..tree import DraftTree, Selection, VerifyResult
 
-__all__ = ["AcceptanceCalibrator", "path_acceptance", "acceptance_outcomes"]
+__all__ = ["AcceptanceCalibrator", "path_acceptance", "acceptance_outcomes", "sibling_ranks"]
 
 
 def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -45,15 +45,22 @@ class AcceptanceCalibrator:
         decay: per-update forgetting factor on the counts (1 = keep everything).
         depth_aware: keep separate bins for depth 1 and deeper nodes (deeper drafts
             are usually less reliable at the same confidence).
+        rank_aware: keep separate bins for a node that is its parent's most confident
+            child and for its siblings (a draft that spreads its mass over near-synonyms
+            is right far more often with its first choice than its probability says);
+            used when ``ranks`` are passed (``sibling_ranks``).
     """
 
-    def __init__(self, num_bins: int = 20, prior_weight: float = 2.0, decay: float = 1.0, depth_aware: bool = True):
+    def __init__(self, num_bins: int = 20, prior_weight: float = 2.0, decay: float = 1.0, depth_aware: bool = True,
+                 rank_aware: bool = True):
         if num_bins < 1 or prior_weight <= 0 or not 0 < decay <= 1:
             raise ValueError("num_bins >= 1, prior_weight > 0 and 0 < decay <= 1 required")
         self.num_bins = int(num_bins)
         self.prior_weight = float(prior_weight)
         self.decay = float(decay)
-        self.groups = 2 if depth_aware else 1
+        self.depth_groups = 2 if depth_aware else 1
+        self.rank_aware = bool(rank_aware)
+        self.groups = self.depth_groups * (2 if rank_aware else 1)
         centres = (np.arange(self.num_bins) + 0.5) / self.num_bins
         self._prior = centres
         self.accepted = np.zeros((self.groups, self.num_bins))
@@ -63,18 +70,26 @@ class AcceptanceCalibrator:
     def _bins(self, draft_probs: np.ndarray) -> np.ndarray:
         return np.clip((draft_probs * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
 
-    def _group(self, depths: np.ndarray | None, n: int) -> np.ndarray:
-        if self.groups == 1 or depths is None:
-            return np.zeros(n, dtype=np.int64)
-        return (np.asarray(depths) > 1).astype(np.int64)
+    def _group(self, depths: np.ndarray | None, n: int, ranks: np.ndarray | None = None) -> np.ndarray:
+        group = np.zeros(n, dtype=np.int64)
+        if self.depth_groups > 1 and depths is not None:
+            group += (np.asarray(depths).reshape(-1) > 1).astype(np.int64)
+        if self.rank_aware and ranks is not None:
+            group += self.depth_groups * (np.asarray(ranks).reshape(-1) > 0).astype(np.int64)
+        return group
 
-    def __call__(self, draft_probs, depths=None) -> np.ndarray:
-        """Acceptance estimate for each node given its parent is accepted."""
+    def __call__(self, draft_probs, depths=None, ranks=None) -> np.ndarray:
+        """Acceptance estimate for each node given its parent is accepted.
+
+        ``ranks`` (optional): each node's rank among its siblings by draft probability
+        (0 = the most confident child), as :func:`sibling_ranks` gives.
+        """
         p = np.asarray(draft_probs.detach().cpu() if isinstance(draft_probs, torch.Tensor) else draft_probs, float)
         d = depths.detach().cpu().numpy() if isinstance(depths, torch.Tensor) else depths
-        return self._table[self._group(d, p.size), self._bins(p)]
+        r = ranks.detach().cpu().numpy() if isinstance(ranks, torch.Tensor) else ranks
+        return self._table[self._group(d, p.size, r), self._bins(p)]
 
-    def update(self, draft_probs, accepted, depths=None) -> None:
+    def update(self, draft_probs, accepted, depths=None, ranks=None) -> None:
         """Add outcomes: ``accepted[i]`` is whether node ``i`` (draft prob ``draft_probs[i]``) was accepted."""
         p = np.asarray(draft_probs, dtype=float).reshape(-1)
         a = np.asarray(accepted, dtype=float).reshape(-1)
@@ -83,7 +98,7 @@ class AcceptanceCalibrator:
         if self.decay < 1:
             self.accepted *= self.decay
             self.trials *= self.decay
-        g = self._group(None if depths is None else np.asarray(depths).reshape(-1), p.size)
+        g = self._group(None if depths is None else np.asarray(depths).reshape(-1), p.size, ranks)
         b = self._bins(p)
         np.add.at(self.accepted, (g, b), a)
         np.add.at(self.trials, (g, b), 1.0)
@@ -94,6 +109,19 @@ class AcceptanceCalibrator:
     @property
     def observations(self) -> int:
         return int(round(self.trials.sum()))
+
+
+def sibling_ranks(tree: DraftTree) -> np.ndarray:
+    """``[N]`` each node's rank among its siblings by draft probability (0 = most confident; ties by index)."""
+    parents = tree.parents.numpy()
+    probs = tree.draft_probs.numpy()
+    order = np.lexsort((np.arange(parents.size), -probs, parents))  # by parent, then prob desc
+    ranks = np.empty(parents.size, dtype=np.int64)
+    sorted_parents = parents[order]
+    starts = np.concatenate([[True], sorted_parents[1:] != sorted_parents[:-1]]) if parents.size else np.zeros(0, bool)
+    group_start = np.maximum.accumulate(np.where(starts, np.arange(parents.size), 0)) if parents.size else starts
+    ranks[order] = np.arange(parents.size) - group_start
+    return ranks
 
 
 def path_acceptance(tree: DraftTree, node_acceptance: np.ndarray) -> np.ndarray:
@@ -107,13 +135,37 @@ def path_acceptance(tree: DraftTree, node_acceptance: np.ndarray) -> np.ndarray:
     return out
 
 
-def acceptance_outcomes(tree: DraftTree, selection: Selection, result: VerifyResult) -> tuple[np.ndarray, np.ndarray]:
-    """(observed node indices, accepted flags): verified nodes whose parent's choice was seen."""
+def acceptance_outcomes(
+    tree: DraftTree, selection: Selection, result: VerifyResult, *, include_unverified: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(observed node indices, accepted flags): nodes whose parent's choice was seen.
+
+    By default only verified nodes count.  With ``include_unverified`` every drafted
+    node whose parent is the root or an accepted node counts, verified or not: the
+    target's choice at that parent is the next committed token, so under *greedy*
+    decoding the node would have been accepted iff its token equals it.  This is what
+    lets a policy that verifies few nodes still learn that the draft is better than its
+    confidence says (otherwise a pessimistic estimate is never corrected).  Under
+    sampling an unverified node's acceptance is not determined by the committed token;
+    use the default there.
+    """
     nodes = selection.nodes.numpy() if isinstance(selection.nodes, torch.Tensor) else np.asarray(selection.nodes)
+    accepted = [int(v) for v in result.accepted]
+    if include_unverified:
+        if len(result.new_tokens) < len(accepted) + 1:
+            raise ValueError("result.new_tokens must hold the accepted tokens and the bonus token")
+        # the target's token after the root (row 0) and after each accepted node
+        choice_after = {-1: int(result.new_tokens[0])}
+        for i, v in enumerate(accepted):
+            choice_after[v] = int(result.new_tokens[i + 1])
+        parents = tree.parents.numpy()
+        seen = np.nonzero(np.isin(parents, np.array(list(choice_after), dtype=np.int64)))[0].astype(np.int64)
+        target = np.array([choice_after[int(p)] for p in parents[seen]], dtype=np.int64)
+        return seen, tree.tokens.numpy()[seen] == target
     if nodes.size == 0:
         return nodes.astype(np.int64), np.zeros(0, dtype=bool)
-    accepted = set(int(v) for v in result.accepted)
+    accepted_set = set(accepted)
     parents = tree.parents.numpy()[nodes]
-    observed = np.array([p < 0 or int(p) in accepted for p in parents], dtype=bool)
+    observed = np.array([p < 0 or int(p) in accepted_set for p in parents], dtype=bool)
     seen = nodes[observed].astype(np.int64)
-    return seen, np.array([int(v) in accepted for v in seen], dtype=bool)
+    return seen, np.array([int(v) in accepted_set for v in seen], dtype=bool)

@@ -8,21 +8,30 @@
    :mod:`~specfit_hf.selection.experts` predictor), and the device cache's residents;
 3. the exact throughput-optimal ancestor-closed subtree (:func:`select_subtree`), warm
    started from the previous level's optimum;
-4. **stop rule**: stop drafting when the optimal subtree holds no node of the newest
-   level, or when ``max_depth`` levels exist.  Rationale: a deeper node can only be
-   verified together with its newest-level ancestor; when even the newest level is not
-   worth verifying, its children (whose path acceptance is at most their parent's) rarely
-   are, and every further level costs a draft step.
+4. **stop rule**: stop drafting when ``max_depth`` levels exist, or when the optimal
+   subtree holds no node of the newest level *and* a look-ahead finds no gain: under each
+   frontier node ``v`` a chain of not-yet-drafted children with path acceptance
+   ``P(v) a^j`` (``a`` = learnt acceptance of a parent's most confident child), each
+   adding the misses ``v`` adds and costing one more draft level (draft + search seconds
+   per level, measured), cannot beat the current optimum (it matters where a frontier
+   node's ancestors are not in the optimum yet: a chain below can amortise them).
 5. **adaptive drafting** (on the empty tree): a cycle drafts nothing (verifies the root
    alone) while measured tokens/s of drafting cycles trail those of plain cycles, with
    one exploring cycle of the other kind every ``explore_every`` cycles.  This is how
    the policy degrades to plain decoding when the draft is too slow or too inaccurate
    for the link (the per-cycle search cannot see the cost of a draft level it has not
    drafted yet).  Drafting time per level is tracked separately (EMA) and added to the
-   search's ``t0`` for the levels already drafted.
+   search's ``t0`` for the levels already drafted.  Rates are decayed sums of tokens over
+   decayed sums of wall seconds (draft + search + verify); the first cycle of a call
+   (whose draft also reads the prompt) is left out.
 
-After verification (``observe``) it learns online: the acceptance calibrator from the
-outcome of every verified node whose parent's choice was observed, the expert history
+After verification (``observe``) it learns online: the acceptance calibrator (bins per
+depth group and per sibling rank: a parent's most confident child vs the others) from
+the outcome of every node whose parent's choice was observed -- under greedy decoding
+unverified nodes too (the committed token says whether they would have been accepted),
+so an under-confident draft is corrected even when the policy verifies little.  These
+acceptance estimates are shared by later ``generate`` calls with the same draft model.
+Also the expert history
 from ``runtime.last_routing``, and the cost model from the measured cycle
 (:class:`OnlineCostModel`).  Without an offload runtime there is no expert term.
 
@@ -32,7 +41,9 @@ dict), ``calibrate`` (bool: profile the host in ``reset``), ``expert_predictor``
 ``measure_predictors`` (list of predictor names also scored each cycle, for reports),
 ``max_nodes`` (only the ``max_nodes`` most likely nodes are candidates), ``online_cost``
 (bool, default True), ``acceptance`` (dict of :class:`AcceptanceCalibrator` args),
-``adaptive_drafting`` (bool, default True), ``explore_every`` (int, default 8).
+``adaptive_drafting`` (bool, default True), ``explore_every`` (int, default 8),
+``lookahead`` (bool, default True: the stop rule's look-ahead), ``share_acceptance``
+(bool, default True: keep acceptance estimates across calls with the same draft).
 ``max_verify_nodes`` of the config is not used: the cost model sizes the subtree.
 Give ``cost`` as a dict if the config is to be saved (``save_pretrained`` writes JSON).
 
@@ -43,6 +54,7 @@ Give ``cost`` as a dict if the config is to be saved (``save_pretrained`` writes
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +62,7 @@ import numpy as np
 import torch
 
 from ..tree import DraftTree, Selection, VerifyResult
-from .acceptance import AcceptanceCalibrator, acceptance_outcomes, path_acceptance
+from .acceptance import AcceptanceCalibrator, acceptance_outcomes, path_acceptance, sibling_ranks
 from .calibration import OnlineCostModel, calibrate
 from .experts import (
     DraftHeadPredictor,
@@ -97,6 +109,30 @@ def _draft_model(ctx: CycleContext) -> Any:
     return getattr(drafter, "model", None)
 
 
+@dataclass
+class _AcceptanceState:
+    """What the policy has learnt about the draft's acceptance (shared across ``generate`` calls).
+
+    ``calibrator``: per-node acceptance from draft confidence.  ``child_accepted`` /
+    ``child_trials``: decayed counts of "the most confident child of an observed
+    parent (or of the root) was accepted" -- the acceptance the stop rule's look-ahead assumes
+    for the not yet drafted next level (prior 1 of 2).
+    """
+
+    calibrator: AcceptanceCalibrator
+    child_accepted: float = 1.0
+    child_trials: float = 2.0
+
+    def child_acceptance(self) -> float:
+        return self.child_accepted / self.child_trials
+
+
+# draft model -> {acceptance settings: state}; the estimates carry over from one
+# generate call to the next with the same draft (acceptance is a property of the pair)
+_SHARED_ACCEPTANCE: "weakref.WeakKeyDictionary[Any, dict[str, _AcceptanceState]]" = weakref.WeakKeyDictionary()
+_CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred tokens
+
+
 class _TreePredictions:
     """Predicted experts of one cycle's tree, extended level by level (never recomputed)."""
 
@@ -118,7 +154,10 @@ class SpecFitPolicy(SelectionPolicy):
         self.max_nodes = kw.get("max_nodes")
         self.predictor_name = str(kw.get("expert_predictor", "auto"))
         self.measure_names = list(kw.get("measure_predictors", []))
-        self.calibrator = AcceptanceCalibrator(**dict(kw.get("acceptance", {})))
+        self.acceptance = _AcceptanceState(AcceptanceCalibrator(**dict(kw.get("acceptance", {}))))
+        self.lookahead = bool(kw.get("lookahead", True))
+        self.share_acceptance = bool(kw.get("share_acceptance", True))
+        self.greedy = not bool(getattr(config, "do_sample", False))
         self.cost: OnlineCostModel | None = None
         self.runtime = None
         self.predictor = None
@@ -129,8 +168,11 @@ class SpecFitPolicy(SelectionPolicy):
         self._last: Selection | None = None
         # drafting cost and whether drafting pays off (see select on the empty tree)
         self.level_seconds: float | None = None  # EMA of draft seconds per level
-        self.drafted_rate: float | None = None  # EMA of tokens/s of cycles that drafted
-        self.plain_rate: float | None = None  # EMA of tokens/s of cycles that did not
+        # decayed (tokens, wall seconds) sums of cycles that drafted / did not; the rate
+        # is their ratio (a mean of per-cycle rates would overweight short cycles)
+        self._drafted_sums: tuple[float, float] | None = None
+        self._plain_sums: tuple[float, float] | None = None
+        self._observed_cycles = 0
         self.explore_every = int(kw.get("explore_every", 8))
         self.ema = float(kw.get("ema", 0.3))
         self._cycle = 0
@@ -147,6 +189,14 @@ class SpecFitPolicy(SelectionPolicy):
             initial = CostModel(initial.t0, initial.t_token, 0.0)
         self.cost = OnlineCostModel(initial)
         draft = _draft_model(ctx)
+        if self.share_acceptance and draft is not None:
+            try:
+                per_draft = _SHARED_ACCEPTANCE.setdefault(draft, {})
+            except TypeError:  # not weak-referenceable: keep this call's own estimates
+                per_draft = None
+            if per_draft is not None:
+                key = repr(sorted(dict(self.kwargs.get("acceptance", {})).items()))
+                self.acceptance = per_draft.setdefault(key, self.acceptance)
         self.predictor = make_predictor(self.predictor_name, ctx.runtime, ctx.target, draft)
         self.measured = {}
         for name in self.measure_names:
@@ -155,8 +205,14 @@ class SpecFitPolicy(SelectionPolicy):
             self.measured[name] = make_predictor(name, ctx.runtime, ctx.target, draft)
         self.quality = {name: UnionQuality() for name in ["policy", *self.measured]}
         self._pred = None
-        self.level_seconds = self.drafted_rate = self.plain_rate = None
+        self.level_seconds = self._drafted_sums = self._plain_sums = None
+        self._observed_cycles = 0
         self._cycle = 0
+
+    @property
+    def calibrator(self) -> AcceptanceCalibrator:
+        """The acceptance calibrator in use (shared with earlier calls on the same draft)."""
+        return self.acceptance.calibrator
 
     @property
     def cost_model(self) -> CostModel:
@@ -169,6 +225,16 @@ class SpecFitPolicy(SelectionPolicy):
         """The cost model of a whole cycle that drafted ``levels`` levels (drafting is in t0)."""
         c = self.cost_model
         return CostModel(c.t0 + (self.level_seconds or 0.0) * levels, c.t_token, c.t_expert)
+
+    @property
+    def drafted_rate(self) -> float | None:
+        """Measured tokens per wall second (draft, search and verify) of cycles that drafted."""
+        return None if self._drafted_sums is None else self._drafted_sums[0] / self._drafted_sums[1]
+
+    @property
+    def plain_rate(self) -> float | None:
+        """Measured tokens per wall second of cycles that verified the root alone without drafting."""
+        return None if self._plain_sums is None else self._plain_sums[0] / self._plain_sums[1]
 
     def _skip_drafting(self) -> bool:
         """Draft nothing this cycle when cycles that draft have been slower than plain ones.
@@ -223,7 +289,7 @@ class SpecFitPolicy(SelectionPolicy):
             self._cycle += 1
             return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=self._root_only_time(tree, ctx),
                              stop=self.max_depth < 1 or self._skip_drafting())
-        node_acc = self.calibrator(tree.draft_probs, tree.depths)
+        node_acc = self.calibrator(tree.draft_probs, tree.depths, sibling_ranks(tree))
         path = path_acceptance(tree, node_acc)
         experts = self._experts(tree, ctx)
         candidates = None
@@ -255,16 +321,69 @@ class SpecFitPolicy(SelectionPolicy):
                 self.cycle_cost_model(tree.num_levels),
                 warm_start=warm,
             )
-        newest = tree.depths[sel.nodes] == tree.num_levels if len(sel) else torch.zeros(0, dtype=torch.bool)
-        sel.stop = tree.num_levels >= self.max_depth or not bool(newest.any())
+        sel.stop = tree.num_levels >= self.max_depth or not self._worth_drafting_deeper(tree, sel, path, experts)
         self._last = sel
         return sel
 
+    def _worth_drafting_deeper(self, tree: DraftTree, sel: Selection, path: np.ndarray,
+                               experts: tuple[np.ndarray, np.ndarray] | None) -> bool:
+        """Stop rule: could drafting more levels beat the current optimum's throughput?
+
+        The search only sees drafted nodes, and the next level's value shows only after
+        it is drafted and paid for.  Look-ahead: under each frontier node ``v`` (the
+        newest level's nodes the drafter expands next) imagine a chain of ``h`` children
+        (``h`` up to the remaining depth) with path acceptance ``P(v) a^j`` (``a``: the
+        learnt acceptance of a node's most confident child), each adding as many
+        predicted misses as ``v`` adds to the rest of the set, and costing
+        ``h`` more draft levels.  Continue when any such set ``S* + ancestors(v) +
+        chain`` has a higher predicted throughput than ``S*``.  Drafting also continues
+        whenever ``S*`` holds a node of the newest level (the only rule with
+        ``lookahead=False``).
+        """
+        level = tree.num_levels
+        depths = tree.depths.numpy()
+        newest = np.nonzero(depths == level)[0]
+        if bool(np.isin(sel.nodes.numpy(), newest).any()):
+            return True  # the newest level already pays: its children may too
+        if not self.lookahead:
+            return False
+        top_k = int(getattr(self.config, "tree_top_k", newest.size) or newest.size)
+        frontier = newest[np.argsort(-tree.path_probs.numpy()[newest], kind="stable")[:top_k]]
+        a = self.acceptance.child_acceptance()
+        base = sel.throughput
+        chosen = np.zeros(len(tree), dtype=bool)
+        chosen[sel.nodes.numpy()] = True
+        missing = _MissingCounter(experts, self._cached) if experts is not None else None
+        remaining = self.max_depth - level
+        gains = np.cumsum(a ** np.arange(1, remaining + 1))
+        costs = [self.cycle_cost_model(level + h) for h in range(1, remaining + 1)]
+        for v in frontier:
+            mask = chosen.copy()
+            mask[tree.ancestors(int(v))] = True
+            e = 1.0 + float(path[mask].sum())
+            size = int(mask.sum())
+            miss = child_misses = 0
+            if missing is not None:
+                # a child is assumed to add what v adds to the rest of the set
+                miss = missing.count(mask)
+                without = mask.copy()
+                without[v] = False
+                child_misses = miss - missing.count(without)
+            for h in range(1, remaining + 1):
+                t = costs[h - 1].predict(size + h + 1, miss + h * child_misses)
+                if (e + path[v] * gains[h - 1]) / t > base:
+                    return True
+        return False
+
     # -------------------------------------------------------------- learning
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: Any) -> None:
-        seen, accepted = acceptance_outcomes(tree, selection, result)
+        # greedy: every drafted node whose parent's choice was seen is an outcome
+        seen, accepted = acceptance_outcomes(tree, selection, result, include_unverified=self.greedy)
         if seen.size:
-            self.calibrator.update(tree.draft_probs.numpy()[seen], accepted, tree.depths.numpy()[seen])
+            probs = tree.draft_probs.numpy()[seen]
+            depths = tree.depths.numpy()[seen]
+            self.calibrator.update(probs, accepted, depths, sibling_ranks(tree)[seen])
+            self._observe_child_acceptance(tree.parents.numpy()[seen], probs, accepted, depths)
         if self.cost is not None and record is not None:
             self._observe_cost(tree, selection, record)
         if self.runtime is None:
@@ -287,22 +406,38 @@ class SpecFitPolicy(SelectionPolicy):
         if self.predictor is not None:
             self.predictor.observe(tokens, routing)
 
+    def _observe_child_acceptance(self, parents: np.ndarray, probs: np.ndarray, accepted: np.ndarray,
+                                  depths: np.ndarray) -> None:
+        """Update the look-ahead's ``a``: was each observed parent's most confident child accepted?"""
+        state = self.acceptance
+        deep = depths >= 1  # depth-1 outcomes too: a chain that stops at level 1 must still learn
+        for parent in np.unique(parents[deep]):
+            among = np.nonzero(deep & (parents == parent))[0]
+            best = among[np.argmax(probs[among])]
+            state.child_accepted = _CHILD_DECAY * state.child_accepted + float(accepted[best])
+            state.child_trials = _CHILD_DECAY * state.child_trials + 1.0
+
     def _observe_cost(self, tree: DraftTree, selection: Selection, record: Any) -> None:
-        """Refit the verification cost on (cycle - draft) seconds; track drafting separately."""
+        """Refit the verification cost on (cycle - draft - select) seconds; track drafting per level."""
         seconds = float(getattr(record, "cycle_seconds", math.nan))
         draft_s = float(getattr(record, "draft_seconds", 0.0) or 0.0)
+        select_s = float(getattr(record, "select_seconds", 0.0) or 0.0)
         committed = int(getattr(record, "tokens_committed", 1))
         if not math.isfinite(seconds) or seconds <= 0:
             return
         a = self.ema
-        if tree.num_levels > 0:
-            per_level = draft_s / tree.num_levels
+        self._observed_cycles += 1
+        # The first cycle's draft also reads the whole prompt (a one-off catch-up that any
+        # drafting run pays once): counting it would charge every later draft level and
+        # every later drafting cycle with it, so it stays out of both statistics.
+        first = self._observed_cycles == 1
+        if tree.num_levels > 0 and not first:
+            # a level costs its draft step and the search after it
+            per_level = (draft_s + select_s) / tree.num_levels
             self.level_seconds = per_level if self.level_seconds is None else (1 - a) * self.level_seconds + a * per_level
-            rate = committed / seconds
-            self.drafted_rate = rate if self.drafted_rate is None else (1 - a) * self.drafted_rate + a * rate
-        else:
-            rate = committed / seconds
-            self.plain_rate = rate if self.plain_rate is None else (1 - a) * self.plain_rate + a * rate
+            self._drafted_sums = _decayed_add(self._drafted_sums, committed, seconds, a)
+        elif tree.num_levels == 0:
+            self._plain_sums = _decayed_add(self._plain_sums, committed, seconds, a)
         loaded = getattr(record, "experts_loaded", None)
         if not self.kwargs.get("online_cost", True):
             self.cost.predicted.append(float(selection.predicted_time))
@@ -311,7 +446,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.cost.add(
             tokens=int(getattr(record, "nodes_verified", len(selection))) + 1,
             misses=0 if loaded is None else loaded,
-            seconds=seconds - draft_s,
+            seconds=max(seconds - draft_s - select_s, 1e-9),
             predicted=None,
         )
         # forecast vs measurement of the whole cycle, for the MAPE report
@@ -327,6 +462,36 @@ class SpecFitPolicy(SelectionPolicy):
             out["cycle_time_mape_percent"] = self.cost.mape
         out["expert_union"] = {name: q.as_dict() for name, q in self.quality.items()}
         return out
+
+
+def _decayed_add(sums: tuple[float, float] | None, tokens: float, seconds: float, a: float) -> tuple[float, float]:
+    """(tokens, seconds) sums where each older cycle's weight shrinks by ``1 - a``."""
+    if sums is None:
+        return float(tokens), float(seconds)
+    return (1 - a) * sums[0] + tokens, (1 - a) * sums[1] + seconds
+
+
+class _MissingCounter:
+    """Predicted missing experts of node sets (the search's expert term, for the look-ahead)."""
+
+    def __init__(self, experts: tuple[np.ndarray, np.ndarray], cached: np.ndarray | None) -> None:
+        nodes, root = experts
+        num_layers = root.shape[0]
+        num_experts = cached.shape[1] if cached is not None else int(max(nodes.max(initial=0), root.max(initial=0))) + 1
+        off = (np.arange(num_layers) * num_experts)[:, None]
+        self.ids = np.where(nodes >= 0, nodes + off[None], -1).reshape(nodes.shape[0], -1)
+        resident = np.zeros(num_layers * num_experts, dtype=bool) if cached is None else cached.reshape(-1)
+        root_ids = np.unique((root + off)[root >= 0])
+        self.root_missing = int((~resident[root_ids]).sum())
+        costly = ~resident
+        costly[root_ids] = False  # the root pays for these anyway
+        self.costly = costly
+
+    def count(self, mask: np.ndarray) -> int:
+        """Misses of verifying the root and the nodes in ``mask``."""
+        ids = self.ids[mask].reshape(-1)
+        ids = np.unique(ids[ids >= 0])
+        return self.root_missing + int(self.costly[ids].sum())
 
 
 def _with_path(tree: DraftTree, path: np.ndarray) -> DraftTree:
