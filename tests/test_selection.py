@@ -356,3 +356,87 @@ def test_specfit_with_eagle3_expert_heads_is_lossless():
         assert _CAPTURED[-1].quality["policy"].blocks > 0
     finally:
         runtime.detach()
+
+
+# ---------------------------------------------------------------- learning what the draft is worth
+def test_outcomes_of_unverified_nodes_under_greedy():
+    tree = _tree()
+    # only node 0 was verified and accepted; the target then chose 13 (node 3's token)
+    sel = Selection(nodes=torch.tensor([0]))
+    result = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 13], bonus_token=13)
+    seen, acc = acceptance_outcomes(tree, sel, result, include_unverified=True)
+    assert seen.tolist() == [0, 1, 2, 3]  # children of the root and of accepted node 0
+    assert acc.tolist() == [True, False, False, True]
+    seen, _ = acceptance_outcomes(tree, sel, result)  # default: verified nodes only
+    assert seen.tolist() == [0]
+
+
+def test_sibling_ranks():
+    from specfit_hf.selection.acceptance import sibling_ranks
+
+    tree = DraftTree(root_token=1)
+    tree.add_level(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, -1]), torch.tensor([0.2, 0.5, 0.3]))
+    tree.add_level(torch.tensor([4, 5]), torch.tensor([1, 1]), torch.tensor([0.1, 0.9]))
+    assert sibling_ranks(tree).tolist() == [2, 0, 1, 1, 0]
+
+
+def test_calibrator_corrects_an_underconfident_draft_everywhere_and_per_rank():
+    rng = np.random.default_rng(0)
+    cal = AcceptanceCalibrator(num_bins=20, depth_aware=False)
+    # first choices at draft probability ~0.3 that the target accepts 85 % of the time
+    p = rng.uniform(0.25, 0.35, 60)
+    cal.update(p, rng.random(60) < 0.85, ranks=np.zeros(60, dtype=int))
+    first, other = cal([0.3, 0.5], ranks=[0, 0]), cal([0.3, 0.5], ranks=[1, 1])
+    assert first[0] > 0.6  # the observed bin
+    assert first[1] > 0.75  # an unobserved, more confident bin moves too (logit shift)
+    assert other.tolist() == pytest.approx([0.325, 0.525])  # siblings keep the identity prior
+
+
+def _shared_ctx(draft, **kwargs):
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), **kwargs)
+    ctx.extras["drafter"] = SimpleNamespace(model=draft)
+    return config, ctx
+
+
+def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
+    draft = torch.nn.Linear(1, 1)
+    config, ctx = _shared_ctx(draft)
+    first = get_policy("specfit", config)
+    first.reset(ctx)
+    first.calibrator.update([0.3] * 20, [True] * 20)
+    second = get_policy("specfit", config)
+    second.reset(ctx)
+    assert second.calibrator is first.calibrator and second.calibrator.observations == 20
+    config, ctx = _shared_ctx(draft, share_acceptance=False)
+    alone = get_policy("specfit", config)
+    alone.reset(ctx)
+    assert alone.calibrator.observations == 0
+
+
+def test_adaptive_drafting_compares_tokens_per_wall_second_without_the_first_cycle():
+    from specfit_hf.generation.loop import CycleRecord
+
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    drafted = DraftTree(root_token=5)
+    drafted.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
+    plain = DraftTree(root_token=5)
+    sel = Selection(nodes=torch.tensor([0]))
+
+    def record(committed, seconds, draft_s):
+        return CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=committed - 1,
+                           tokens_committed=committed, cycle_seconds=seconds, draft_seconds=draft_s,
+                           select_seconds=0.0, verify_seconds=seconds - draft_s)
+
+    ok = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
+    policy.observe(drafted, sel, ok, record(2, 1.0, 0.9))  # first cycle: the draft read the prompt
+    assert policy.drafted_rate is None and policy.level_seconds is None
+    policy.observe(drafted, sel, ok, record(2, 0.02, 0.005))
+    policy.observe(drafted, sel, ok, record(2, 0.06, 0.005))
+    root_only = VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[7], bonus_token=7)
+    policy.observe(plain, Selection(nodes=torch.empty(0, dtype=torch.long)), root_only, record(1, 0.03, 0.0))
+    # ratio of decayed sums (ema 0.3): (0.7*2 + 2) / (0.7*0.02 + 0.06), not a mean of per-cycle rates
+    assert policy.drafted_rate == pytest.approx(3.4 / 0.074)
+    assert policy.plain_rate == pytest.approx(1 / 0.03)
+    assert policy.level_seconds == pytest.approx(0.005)

@@ -5,8 +5,9 @@ A draft's probability for its token is not the probability that the target agree
 draft probability to acceptance with a binned estimate learned online from
 verification outcomes, made monotone (isotonic, pool-adjacent-violators) so that a more
 confident draft never gets a lower estimate.  Before any data it returns the draft
-probability itself (a Beta prior centred on the identity, worth ``prior_weight``
-observations per bin).
+probability itself; each bin is shrunk (``prior_weight`` pseudo-observations) toward
+the identity shifted in logit space by one learnt offset per group, so a uniformly
+under-confident draft is corrected quickly everywhere.
 
 Outcome of a node: it was verified and its parent was the root or accepted, so the
 target's choice at the parent was observed; the node is accepted iff the target picked
@@ -102,9 +103,36 @@ class AcceptanceCalibrator:
         b = self._bins(p)
         np.add.at(self.accepted, (g, b), a)
         np.add.at(self.trials, (g, b), 1.0)
+        prior = self._group_prior()
         w = self.trials + self.prior_weight
-        rate = (self.accepted + self.prior_weight * self._prior) / w
+        rate = (self.accepted + self.prior_weight * prior) / w
         self._table = np.stack([_isotonic(rate[i], w[i]) for i in range(self.groups)])
+
+    def _group_prior(self) -> np.ndarray:
+        """``[groups, bins]`` prior of each bin: the identity shifted in logit space per group.
+
+        One shift ``b`` per group, the penalised maximum-likelihood fit of
+        ``accepted ~ sigmoid(logit(p) + b)`` over all of the group's outcomes (Gaussian
+        penalty ``b^2 / 2``, so no data means the identity).  A draft that is uniformly
+        under- or over-confident is corrected after a handful of outcomes in *every*
+        bin of the group, where the bins alone would need a few outcomes each.
+        """
+        centres = np.clip(self._prior, 1e-6, 1 - 1e-6)
+        logit = np.log(centres / (1 - centres))
+        out = np.empty((self.groups, self.num_bins))
+        for g in range(self.groups):
+            n, a = self.trials[g], self.accepted[g]
+            b = 0.0
+            for _ in range(25):  # Newton on a concave 1-D objective
+                s = 1.0 / (1.0 + np.exp(-(logit + b)))
+                grad = float(np.sum(a - n * s)) - b
+                hess = float(np.sum(n * s * (1 - s))) + 1.0
+                step = grad / hess
+                b += float(np.clip(step, -2.0, 2.0))
+                if abs(step) < 1e-8:
+                    break
+            out[g] = 1.0 / (1.0 + np.exp(-(logit + b)))
+        return out
 
     @property
     def observations(self) -> int:
