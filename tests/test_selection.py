@@ -440,3 +440,27 @@ def test_adaptive_drafting_compares_tokens_per_wall_second_without_the_first_cyc
     assert policy.drafted_rate == pytest.approx(3.4 / 0.074)
     assert policy.plain_rate == pytest.approx(1 / 0.03)
     assert policy.level_seconds == pytest.approx(0.005)
+
+
+def test_search_charges_measured_loads_per_predicted_miss():
+    from specfit_hf.generation.loop import CycleRecord
+    from specfit_hf.selection.specfit import _TreePredictions
+
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    assert policy.miss_scale == 1.0  # no data: the predicted misses are taken as they are
+    tree = DraftTree(root_token=5)
+    tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
+    pred = policy._pred = _TreePredictions(tree)
+    pred.root = np.array([[0], [1]])  # 2 layers, top-1
+    pred.nodes = np.array([[[2], [3]]])
+    policy._cached = np.zeros((2, 4), dtype=bool)  # nothing resident: root 2 + node 2 predicted misses
+    record = CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=1, tokens_committed=2,
+                         cycle_seconds=0.02, draft_seconds=0.0, select_seconds=0.0, verify_seconds=0.02,
+                         experts_loaded=12)
+    for _ in range(20):
+        policy._observe_miss_scale(tree, Selection(nodes=torch.tensor([0])), record)
+    assert 2.0 < policy.miss_scale <= 3.0  # 12 loaded per 4 predicted, shrunk toward 1
+    policy.cost = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
+    assert policy.cycle_cost_model(0).t_expert == pytest.approx(0.002 * policy.miss_scale)

@@ -33,7 +33,9 @@ so an under-confident draft is corrected even when the policy verifies little.  
 acceptance estimates are shared by later ``generate`` calls with the same draft model.
 Also the expert history
 from ``runtime.last_routing``, and the cost model from the measured cycle
-(:class:`OnlineCostModel`).  Without an offload runtime there is no expert term.
+(:class:`OnlineCostModel`, fitted on *measured* loads); the search's ``t_expert`` is
+scaled by measured loads per predicted miss of the verified sets (``miss_scale``), since
+the predictor's misses undercount what a large block really loads.  Without an offload runtime there is no expert term.
 
 ``policy_kwargs`` (all optional): ``cost`` (a :class:`CostModel` or its fields as a
 dict), ``calibrate`` (bool: profile the host in ``reset``), ``expert_predictor``
@@ -131,6 +133,8 @@ class _AcceptanceState:
 # generate call to the next with the same draft (acceptance is a property of the pair)
 _SHARED_ACCEPTANCE: "weakref.WeakKeyDictionary[Any, dict[str, _AcceptanceState]]" = weakref.WeakKeyDictionary()
 _CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred tokens
+_MISS_DECAY = 0.9  # per cycle: the loads-per-predicted-miss ratio follows the cache state
+_MISS_PRIOR = 4.0  # pseudo-misses on both sides: the ratio starts at 1
 
 
 class _TreePredictions:
@@ -176,6 +180,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.explore_every = int(kw.get("explore_every", 8))
         self.ema = float(kw.get("ema", 0.3))
         self._cycle = 0
+        self._miss_sums = (0.0, 0.0)  # decayed (measured loads, predicted misses) of verified sets
 
     # -------------------------------------------------------------- lifecycle
     def reset(self, ctx: CycleContext) -> None:
@@ -208,6 +213,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.level_seconds = self._drafted_sums = self._plain_sums = None
         self._observed_cycles = 0
         self._cycle = 0
+        self._miss_sums = (0.0, 0.0)
 
     @property
     def calibrator(self) -> AcceptanceCalibrator:
@@ -224,7 +230,19 @@ class SpecFitPolicy(SelectionPolicy):
     def cycle_cost_model(self, levels: int) -> CostModel:
         """The cost model of a whole cycle that drafted ``levels`` levels (drafting is in t0)."""
         c = self.cost_model
-        return CostModel(c.t0 + (self.level_seconds or 0.0) * levels, c.t_token, c.t_expert)
+        return CostModel(c.t0 + (self.level_seconds or 0.0) * levels, c.t_token, c.t_expert * self.miss_scale)
+
+    @property
+    def miss_scale(self) -> float:
+        """Measured expert loads per *predicted* miss of the verified set (1 before data).
+
+        The cost model's ``t_expert`` is fitted on measured loads, but the search counts
+        predicted misses; a predictor with imperfect recall predicts fewer distinct
+        experts than a large block really routes to, so big selections looked cheaper
+        than they are.  The search's ``t_expert`` is scaled by this ratio.
+        """
+        loaded, predicted = self._miss_sums
+        return float(np.clip((loaded + _MISS_PRIOR) / (predicted + _MISS_PRIOR), 0.25, 4.0))
 
     @property
     def drafted_rate(self) -> float | None:
@@ -279,7 +297,7 @@ class SpecFitPolicy(SelectionPolicy):
             valid = root >= 0
             layer = np.broadcast_to(np.arange(root.shape[0])[:, None], root.shape)
             misses = len(set(zip(layer[valid].tolist(), root[valid].tolist())) - set(zip(*np.nonzero(cached))))
-        return self.cost_model.predict(1, misses)
+        return self.cycle_cost_model(0).predict(1, misses)
 
     def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
         if self.cost is None:
@@ -388,6 +406,7 @@ class SpecFitPolicy(SelectionPolicy):
             self._observe_cost(tree, selection, record)
         if self.runtime is None:
             return
+        self._observe_miss_scale(tree, selection, record)
         nodes = selection.nodes.numpy()
         routing = actual_routing(self.runtime, rows=1 + nodes.size)
         if routing is None:
@@ -405,6 +424,20 @@ class SpecFitPolicy(SelectionPolicy):
             predictor.observe(tokens, routing)
         if self.predictor is not None:
             self.predictor.observe(tokens, routing)
+
+    def _observe_miss_scale(self, tree: DraftTree, selection: Selection, record: Any) -> None:
+        """Add this cycle's (measured loads, predicted misses of root + selection) to :attr:`miss_scale`."""
+        loaded = getattr(record, "experts_loaded", None)
+        pred = self._pred
+        if loaded is None or pred is None or pred.tree is not tree or pred.nodes is None or self._cached is None:
+            return
+        if pred.nodes.shape[0] != len(tree):
+            return
+        mask = np.zeros(len(tree), dtype=bool)
+        mask[selection.nodes.numpy()] = True
+        predicted = _MissingCounter((pred.nodes, pred.root), self._cached).count(mask)
+        a, p = self._miss_sums
+        self._miss_sums = (_MISS_DECAY * a + float(loaded), _MISS_DECAY * p + float(predicted))
 
     def _observe_child_acceptance(self, parents: np.ndarray, probs: np.ndarray, accepted: np.ndarray,
                                   depths: np.ndarray) -> None:
