@@ -8,43 +8,18 @@ modules keep whatever copy (or none) they had, and nothing here leaks into their
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 
 import pytest
 import torch
 
-import specfit_kernels
+import specfit_kernels  # noqa: F401
+from kernel_import import import_fresh_kernels
 from specfit_kernels import align_pairs_by_slot, fused_experts, fused_experts_reference
 from specfit_kernels.align import padded_capacity
 
 
-def _import_interpreted_kernels():
-    name = "specfit_kernels.fused_moe"
-    saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_module = sys.modules.pop(name, None)
-    saved_attr = getattr(specfit_kernels, "fused_moe", None)
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(name)
-    finally:
-        if saved_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        if saved_module is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = saved_module
-        if saved_attr is None:
-            specfit_kernels.__dict__.pop("fused_moe", None)
-        else:
-            specfit_kernels.fused_moe = saved_attr
-    return module
-
-
-fm = _import_interpreted_kernels()
+fm = import_fresh_kernels(interpret=True)
 assert fm.INTERPRETED, "the kernel copy under test must run in the Triton interpreter"
 
 # |kernel - reference| <= ATOL + RTOL * |reference|, outputs are O(1). The reference shares the

@@ -6,41 +6,17 @@ source also lowers for real GPUs (sm_80 and sm_90), which the interpreter never 
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-import specfit_kernels
+import specfit_kernels  # noqa: F401
+from kernel_import import import_fresh_kernels
 
 triton = pytest.importorskip("triton")
 
 
-def _import_compiled_kernels():
-    # A fresh copy decorated with TRITON_INTERPRET unset; the environment and sys.modules are restored.
-    name = "specfit_kernels.fused_moe"
-    saved_env = os.environ.pop("TRITON_INTERPRET", None)
-    saved_module = sys.modules.pop(name, None)
-    saved_attr = specfit_kernels.__dict__.get("fused_moe")
-    try:
-        module = importlib.import_module(name)
-    finally:
-        if saved_env is not None:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        if saved_module is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = saved_module
-        if saved_attr is None:
-            specfit_kernels.__dict__.pop("fused_moe", None)
-        else:
-            specfit_kernels.fused_moe = saved_attr
-    return module
-
-
-fm = _import_compiled_kernels()
+fm = import_fresh_kernels(interpret=False)
 
 if "nvidia" not in getattr(triton.backends, "backends", {}):
     pytest.skip("triton has no CUDA backend on this platform", allow_module_level=True)
