@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import statistics
-import time
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -37,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .generation import SpecFitConfig
-from .offload import EmulatedLink, get_runtime, offload_experts
+from .offload import EmulatedLink, clock, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
 from .selection import available_policies
 
@@ -51,6 +53,8 @@ __all__ = [
     "tune_fixed_n",
     "run_benchmark",
     "summarize",
+    "host_info",
+    "merge_results",
     "write_report",
 ]
 
@@ -119,17 +123,23 @@ def measure_cached_step(target: torch.nn.Module, input_ids: torch.Tensor, new_to
         raise ValueError("measure the cached decode step before offload_experts() is attached")
     times = []
     for _ in range(repeats + 1):
-        t = time.perf_counter()
+        t = clock()
         target.generate(input_ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        prefill_t = time.perf_counter()
+        prefill_t = clock()
         target.generate(input_ids, do_sample=False, max_new_tokens=1, min_new_tokens=1)
-        one = time.perf_counter() - prefill_t
+        one = clock() - prefill_t
         times.append(max(1e-6, (prefill_t - t - one) / (new_tokens - 1)))
     return statistics.median(times[1:])  # the first run warms up
 
 
-def link_for_regime(regime: LinkRegime | str, runtime: Any, cached_step_seconds: float) -> EmulatedLink:
-    """The emulated link that gives this model ``regime``'s transfer/compute ratio."""
+def link_for_regime(
+    regime: LinkRegime | str, runtime: Any, cached_step_seconds: float, *, virtual: bool = False
+) -> EmulatedLink:
+    """The emulated link that gives this model ``regime``'s transfer/compute ratio.
+
+    ``virtual=True`` accounts transfer time on :func:`specfit_hf.offload.clock` instead of
+    waiting it out (same timeline, far less wall time; see :mod:`specfit_hf.offload.link`).
+    """
     if isinstance(regime, str):
         regime = REGIMES[regime]
     gbps, latency_us = emulated_link_params(
@@ -138,7 +148,7 @@ def link_for_regime(regime: LinkRegime | str, runtime: Any, cached_step_seconds:
         experts_per_token=runtime.top_k * len(runtime.moe_layers),
         cached_step_seconds=cached_step_seconds,
     )
-    return EmulatedLink(gbps=gbps, latency_us=latency_us)
+    return EmulatedLink(gbps=gbps, latency_us=latency_us, virtual=virtual)
 
 
 @torch.inference_mode()
@@ -163,7 +173,7 @@ def run_variant(
         torch.cuda.synchronize()
     before = runtime.stats.total.copy()
     torch.manual_seed(seed)
-    t = time.perf_counter()
+    t = clock()
     if variant.policy is None:
         out = target.generate(
             input_ids, do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True
@@ -181,7 +191,7 @@ def run_variant(
         cycles = list(out.cycles or [])
     if out.sequences.is_cuda:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
+    seconds = clock() - t
     runtime.persistent = True
     moved = runtime.stats.total - before
     new = out.sequences[0, input_ids.shape[1]:].tolist()
@@ -283,12 +293,14 @@ def run_benchmark(
     cache_fractions: Sequence[float] = (0.25, 0.5, 0.75),
     links: Sequence[str | LinkRegime] = ("qwen3-pcie4",),
     variants: Sequence[Variant] | None = None,
+    policies: Sequence[str] | None = None,
     runs: int = 1,
     max_new_tokens: int = 48,
     tune_prompts: dict[str, list[str]] | None = None,
     tune_candidates: Sequence[int] = (4, 8, 16, 32, 60),
     offload_policy: str = "lru",
     device: str = "cpu",
+    virtual_link: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
@@ -297,11 +309,25 @@ def run_benchmark(
         prompts: category -> prompt texts.
         links: link regimes emulated on the CPU; ignored on CUDA, where the real link is
             measured (the rows then say ``link="real"``).
+        variants: the policy columns (default :func:`default_variants`, with the tuned N).
+        policies: keep only these labels of the default columns (``eagle3-best`` needs
+            ``tune_prompts``); exclusive with ``variants``.
         tune_prompts: category -> other prompts used to pick the best fixed N (skipped if None).
         device: "cpu" (emulated link) or a CUDA device (real host→device copies).
+        virtual_link: on CPU, account emulated transfer time on the virtual clock instead
+            of waiting (see :mod:`specfit_hf.offload.link`); recorded in ``meta``.
     """
     if get_runtime(target) is not None:
         raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
+    if variants is not None and policies is not None:
+        raise ValueError("pass either variants or policies, not both")
+    if policies is not None:
+        known = {v.label for v in default_variants(best_n=0)}
+        unknown = sorted(set(policies) - known)
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; choose from {sorted(known)}")
+        if "eagle3-best" in policies and not tune_prompts:
+            raise ValueError("policy 'eagle3-best' needs tune_prompts to pick N")
     emulated = str(device) == "cpu"
 
     def encode(texts: list[str]) -> list[torch.Tensor]:
@@ -321,12 +347,15 @@ def run_benchmark(
         runtime = offload_experts(target, device=device, cache_fraction=fraction, policy=offload_policy)
         try:
             if regime is not None:
-                runtime.link = link_for_regime(regime, runtime, cached_step)
+                runtime.link = link_for_regime(regime, runtime, cached_step, virtual=virtual_link)
             best_n = None
-            if category in tune_ids:
+            wants_best = variants is None and (policies is None or "eagle3-best" in policies)
+            if category in tune_ids and wants_best:
                 best_n, scores = tune_fixed_n(target, draft, tune_ids[category], max_new_tokens, tune_candidates)
                 tuning[f"{category}/{fraction}/{link_name}"] = {"best_n": best_n, "tokens_per_s": scores}
             vs = list(variants) if variants is not None else default_variants(best_n)
+            if policies is not None:
+                vs = [v for v in vs if v.label in policies]
             cell_runs: list[PromptRun] = []
             reference: dict[int, list[int]] = {}
             inner = tqdm(
@@ -335,9 +364,11 @@ def run_benchmark(
                 leave=False,
                 disable=not progress,
             )
+            # Prompt-major order: every policy of a prompt runs back to back, so a change in
+            # host load during the cell touches all policies alike instead of one column.
             for run in range(runs):
-                for v in vs:
-                    for i, x in enumerate(ids[category]):
+                for i, x in enumerate(ids[category]):
+                    for v in vs:
                         r = run_variant(target, draft, x, v, max_new_tokens, prompt_index=i, run=run, seed=run)
                         if v.policy is None and run == 0:
                             reference[i] = r.new_tokens
@@ -364,9 +395,67 @@ def run_benchmark(
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
         "emulated_link": emulated,
+        "link_timing": ("virtual" if virtual_link else "wait") if emulated else "real",
         "device": str(device),
+        **host_info(),
     }
     return {"runs": rows, "meta": meta}
+
+
+def host_info() -> dict[str, Any]:
+    """Where a benchmark ran: code commit, CPU, cores, GPU and library versions."""
+    import transformers
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "commit": commit,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several ``run_benchmark`` results (e.g. one process per dataset/link).
+
+    Rows are concatenated; a cell measured twice is an error.  ``meta`` keeps each part's
+    meta under ``parts`` and the fields they all agree on at the top.
+    """
+    if not results:
+        raise ValueError("merge_results needs at least one result")
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple] = set()
+    for res in results:
+        for r in res["runs"]:
+            key = (r["category"], r["cache_fraction"], r["link"], r["policy"])
+            if key in seen:
+                raise ValueError(f"cell {key} appears in more than one result")
+            seen.add(key)
+            rows.append(r)
+    metas = [res.get("meta", {}) for res in results]
+    common = {k: v for k, v in metas[0].items() if all(k in m and m[k] == v for m in metas[1:])}
+    return {"runs": rows, "meta": {**common, "parts": metas}}
 
 
 _TABLE_COLUMNS = (

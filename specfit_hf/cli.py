@@ -1,4 +1,4 @@
-"""The ``specfit`` command line: ``generate``, ``bench`` and ``calibrate``.
+"""The ``specfit`` command line: ``generate``, ``bench``, ``report`` and ``calibrate``.
 
 All three default to the tiny model pair shipped in ``model_cards/`` and, on a host
 without CUDA, to an emulated PCIe link (see :mod:`specfit_hf.regimes`).
@@ -10,7 +10,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,6 +35,17 @@ def _add_offload_args(p: argparse.ArgumentParser, default_fraction: float = 0.5)
         "--link",
         default="qwen3-pcie4",
         help="link regime for the emulated link when --link-gbps is not given (see specfit_hf.regimes)",
+    )
+    _add_link_timing_arg(p, default="wait")
+
+
+def _add_link_timing_arg(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--link-timing",
+        choices=["wait", "virtual"],
+        default=default,
+        help=f"emulated link: really wait out each transfer, or add it to a virtual clock (default {default}; "
+        "same timeline, see specfit_hf.offload.link)",
     )
 
 
@@ -66,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=48)
     b.add_argument("--max-source-chars", type=int, default=1500, help="shorten articles/questions to this many chars")
     b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
+    _add_link_timing_arg(b, default="virtual")
+
+    r = sub.add_parser("report", help="merge several bench results.json files into one report")
+    r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
+    r.add_argument("--out", required=True, help="output folder for the merged results.json, results.md and plots")
 
     c = sub.add_parser("calibrate", help="fit the SpecFit cost model (t0, t_tok, t_exp) on this host and link")
     _add_model_args(c)
@@ -137,9 +152,11 @@ def _attach_offload(target: Any, args: argparse.Namespace, device: str, cached_s
     runtime = offload_experts(target, device=device, **kwargs)
     if device == "cpu":
         if args.link_gbps is not None:
-            runtime.link = EmulatedLink(gbps=args.link_gbps, latency_us=args.link_latency_us)
+            runtime.link = EmulatedLink(
+                gbps=args.link_gbps, latency_us=args.link_latency_us, virtual=args.link_timing == "virtual"
+            )
         elif cached_step is not None:
-            runtime.link = link_for_regime(args.link, runtime, cached_step)
+            runtime.link = link_for_regime(args.link, runtime, cached_step, virtual=args.link_timing == "virtual")
     return runtime
 
 
@@ -149,6 +166,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from .bench import measure_cached_step
     from .generation import SpecFitConfig
+    from .offload import clock
 
     device = _device(args.device)
     target, draft, tok = load_pair(args.model, args.draft, device)
@@ -160,9 +178,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tok, skip_prompt=True)
     runtime.reset_stats()
-    t = time.perf_counter()
+    t = clock()
     out = target.generate(ids, assistant_model=draft, generation_config=config, streamer=streamer)
-    seconds = time.perf_counter() - t
+    seconds = clock() - t
     new = out.sequences.shape[1] - ids.shape[1]
     cycles = out.cycles or []
     tau = statistics.fmean(c.tokens_committed for c in cycles) if cycles else float("nan")
@@ -175,7 +193,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import default_variants, run_benchmark, write_report
+    from .bench import run_benchmark, write_report
     from .data import load_prompts
 
     device = _device(args.device)
@@ -196,24 +214,45 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             prompts[category] = [r["prompt"] for r in rows[: args.num_prompts]]
             if args.tune_prompts:
                 tune[category] = [r["prompt"] for r in rows[args.num_prompts:]]
-    variants = None
-    if args.policies:
-        variants = [v for v in default_variants(best_n=None) if v.label in args.policies]
-        if "eagle3-best" in args.policies and not tune:
-            raise SystemExit("specfit: eagle3-best needs --tune-prompts > 0")
-    results = run_benchmark(
-        target,
-        draft,
-        tok,
-        prompts,
-        cache_fractions=args.cache_fractions,
-        links=args.link,
-        variants=variants,
-        runs=args.runs,
-        max_new_tokens=args.max_new_tokens,
-        tune_prompts=tune or None,
-    )
+    if args.policies and "eagle3-best" in args.policies and not tune:
+        raise SystemExit("specfit: eagle3-best needs --tune-prompts > 0")
+    try:
+        results = run_benchmark(
+            target,
+            draft,
+            tok,
+            prompts,
+            cache_fractions=args.cache_fractions,
+            links=args.link,
+            policies=args.policies,
+            runs=args.runs,
+            max_new_tokens=args.max_new_tokens,
+            tune_prompts=tune or None,
+            virtual_link=args.link_timing == "virtual",
+        )
+    except ValueError as e:
+        raise SystemExit(f"specfit: {e}") from e
     paths = write_report(results, args.out)
+    print(paths["markdown"].read_text())
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .bench import merge_results, write_report
+
+    parts = []
+    for path in args.results:
+        p = Path(path)
+        p = p / "results.json" if p.is_dir() else p
+        if not p.is_file():
+            raise SystemExit(f"specfit: no results.json at {path}")
+        parts.append(json.loads(p.read_text()))
+    try:
+        merged = merge_results(parts)
+    except ValueError as e:
+        raise SystemExit(f"specfit: {e}") from e
+    paths = write_report(merged, args.out)
     print(paths["markdown"].read_text())
     print("wrote", ", ".join(str(p) for p in paths.values()))
     return 0
@@ -239,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    handler = {"generate": _cmd_generate, "bench": _cmd_bench, "calibrate": _cmd_calibrate}[args.command]
+    handler = {"generate": _cmd_generate, "bench": _cmd_bench, "report": _cmd_report, "calibrate": _cmd_calibrate}[
+        args.command
+    ]
     return handler(args)
 
 

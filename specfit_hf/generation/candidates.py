@@ -11,12 +11,12 @@ order, so parents precede children and ``block_parents`` indexes the block itsel
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..offload.link import clock
 from ..tree import DraftTree, Selection, VerifyResult
 from .drafter import Drafter
 from .tree_mask import tree_attention_mask
@@ -141,17 +141,17 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.ctx.prefix_len = prefix_len
         tree = DraftTree(root_token=int(root_token))
         draft_s = 0.0
-        t = time.perf_counter()
+        t = clock()
         selection = self.policy.select(tree, self.ctx)
-        select_s = time.perf_counter() - t
+        select_s = clock() - t
         while not selection.stop and tree.num_levels < self.max_depth:
             size_before = len(tree)
-            t = time.perf_counter()
+            t = clock()
             self.drafter.draft_level(tree)
-            draft_s += time.perf_counter() - t
-            t = time.perf_counter()
+            draft_s += clock() - t
+            t = clock()
             selection = self.policy.select(tree, self.ctx)
-            select_s += time.perf_counter() - t
+            select_s += clock() - t
             if len(tree) == size_before:  # the drafter has nothing more to add
                 break
         candidates = layout_candidates(

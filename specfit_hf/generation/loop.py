@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..features import capture_hidden_states
+from ..offload.link import clock
 from ..selection.policy import CycleContext, get_policy
 from .cache import SpecFitCache
 from .candidates import TreeCandidateGenerator
@@ -272,7 +273,7 @@ def tree_speculative_decoding(
         policy.reset(ctx)
 
     while not finished:
-        cycle_start = time.perf_counter()
+        cycle_start = clock()
         misses_before = _expert_misses(runtime)
         prefix_len = cache.get_seq_length()
         root = int(sequence[0, -1])
@@ -283,7 +284,7 @@ def tree_speculative_decoding(
         candidates = candidate_generator.propose(root, prefix_len, root_position, prefix_hidden)
 
         # Verify and accept.
-        verify_start = time.perf_counter()
+        verify_start = clock()
         with _maybe_capture(model, feature_indices) as captured:
             logits = verify_forward(model, cache, candidates)
             block_features = _concat_features(captured, feature_indices, None) if feature_indices else None
@@ -291,7 +292,7 @@ def tree_speculative_decoding(
             logits.to(input_ids.device), candidates, sequence, logits_processor, do_sample, keep_scores=keep_scores
         )
         result = accepted.result
-        verify_s = time.perf_counter() - verify_start
+        verify_s = clock() - verify_start
 
         # Stop inside the tree: max_new_tokens, eos, stopping criteria.
         new_tokens, finished = stop_rule.truncate(sequence, result.new_tokens)
@@ -319,7 +320,7 @@ def tree_speculative_decoding(
             nodes_verified=candidates.num_nodes,
             tokens_accepted=len(result.accepted),
             tokens_committed=len(new_tokens),
-            cycle_seconds=time.perf_counter() - cycle_start,
+            cycle_seconds=clock() - cycle_start,
             draft_seconds=candidates.draft_seconds,
             select_seconds=candidates.select_seconds,
             verify_seconds=verify_s,

@@ -5,12 +5,13 @@
     runtime.stats.total.misses     # counters; runtime.cached_experts(layer) for the cost model
     runtime.detach()               # the model as it was
 
-On a CPU-only machine ``EmulatedLink(gbps, latency_us)`` emulates a PCIe link's timing.
+On a CPU-only machine ``EmulatedLink(gbps, latency_us)`` emulates a PCIe link's timing;
+time anything that may contain emulated transfers with ``clock()``.
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES, MoEAdapter
 from .cache import POLICIES, ExpertCache
-from .link import EmulatedLink
+from .link import EmulatedLink, clock
 from .runtime import OffloadRuntime, get_runtime, offload_experts
 from .stats import OffloadStats, TransferStats
 
@@ -19,6 +20,7 @@ __all__ = [
     "get_runtime",
     "OffloadRuntime",
     "EmulatedLink",
+    "clock",
     "OffloadStats",
     "TransferStats",
     "ExpertCache",

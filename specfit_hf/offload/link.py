@@ -7,9 +7,19 @@ over a link of ``gbps`` gigabytes per second with ``latency_us`` fixed cost per 
 
     t(transfer of n bytes) = n / (gbps * 1e9) + latency_us * 1e-6
 
-Waiting is accurate to a few microseconds: long waits sleep most of the way, then the
-last stretch spins on ``time.perf_counter``.  Each expert is one transfer (all of its
-matrices), issued one after another, the way a single copy engine serialises them.
+Each expert is one transfer (all of its matrices), issued one after another, the way a
+single copy engine serialises them.  Two ways to make the transfer take its time:
+
+* ``virtual=False`` (default): the call really waits — sleeps most of the way, then spins
+  the last stretch on ``time.perf_counter`` (accurate to a few microseconds).
+* ``virtual=True``: the call returns as soon as the copy is done and adds the rest of the
+  emulated duration to a process-wide *virtual* offset; :func:`clock` is
+  ``time.perf_counter() + offset``.  Every timer in this package reads :func:`clock`, so
+  measured cycle times, tokens/s and calibration see the same durations as with real
+  waiting, without the machine idling through them (benchmarks run several times faster,
+  and parallel benchmark processes do not disturb each other's waits).  Copies are on the
+  critical path either way (the runtime waits for a load before computing with it), so
+  the two modes model the same serial timeline.
 
 ``specfit_hf.regimes`` says how to choose ``gbps`` / ``latency_us`` so a tiny CPU model
 sees the transfer-to-compute balance of a real GPU + PCIe deployment.
@@ -23,11 +33,23 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["EmulatedLink", "wait_until"]
+__all__ = ["EmulatedLink", "clock", "wait_until"]
 
 # Sleeping is imprecise (scheduler granularity ~0.1-1 ms); sleep only when the wait is long
 # and leave this much to spin through.
 _SPIN_SECONDS = 1.0e-3
+
+# Seconds of emulated transfer that virtual links have added instead of waiting.
+_virtual_seconds = 0.0
+
+
+def clock() -> float:
+    """``time.perf_counter()`` plus the transfer time virtual links skipped (seconds).
+
+    Identical to ``time.perf_counter`` unless an ``EmulatedLink(virtual=True)`` is in use;
+    time every interval that may contain emulated transfers with this.
+    """
+    return time.perf_counter() + _virtual_seconds
 
 
 @dataclass(frozen=True)
@@ -35,11 +57,13 @@ class EmulatedLink:
     """A host→device link of ``gbps`` GB/s (10^9 bytes/s) and ``latency_us`` per transfer.
 
     Used on CPU (or on a GPU to emulate a slower link than the real one): the copy is
-    done for real, then the call blocks until the emulated transfer time has elapsed.
+    done for real, then the call blocks until the emulated transfer time has elapsed —
+    or, with ``virtual=True``, advances :func:`clock` by the remaining time instead.
     """
 
     gbps: float
     latency_us: float = 0.0
+    virtual: bool = False
 
     def __post_init__(self) -> None:
         if not self.gbps > 0:
@@ -59,8 +83,13 @@ class EmulatedLink:
                 dst.copy_(src)
         if pairs and pairs[0][0].is_cuda:
             torch.cuda.current_stream(pairs[0][0].device).synchronize()
-        wait_until(start + self.transfer_seconds(nbytes))
-        return time.perf_counter() - start
+        duration = self.transfer_seconds(nbytes)
+        if not self.virtual:
+            wait_until(start + duration)
+            return time.perf_counter() - start
+        global _virtual_seconds
+        _virtual_seconds += max(0.0, duration - (time.perf_counter() - start))
+        return max(duration, time.perf_counter() - start)
 
 
 def wait_until(deadline: float) -> None:

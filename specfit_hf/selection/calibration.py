@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
+from ..offload.link import clock
 from .search import CostModel
 
 __all__ = ["CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape"]
@@ -118,7 +119,7 @@ def calibrate(
     token_counts: Sequence[int] = (1, 2, 4, 8, 16, 32),
     repeats: int = 3,
     prefix_len: int = 16,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] = clock,
     return_samples: bool = False,
 ) -> CostModel | tuple[CostModel, list[CostSample]]:
     """Profile ``t0``, ``t_token`` and ``t_expert`` on this host and link.
