@@ -55,6 +55,7 @@ __all__ = [
     "summarize",
     "host_info",
     "merge_results",
+    "speedup_summary",
     "write_report",
 ]
 
@@ -497,6 +498,36 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+_CATEGORY_NAMES = {"summarization": "CNN/DailyMail", "math_reasoning": "GSM8K"}
+
+
+def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
+    """Markdown table: ``policy``'s tok/s relative to each baseline, one line per cell.
+
+    Also gives ``policy``'s and EAGLE-3's mean accepted length and whether every policy's
+    output in the cell was token-identical to autoregressive decoding.
+    """
+    baselines = (("eagle3", "vs EAGLE-3, same cache"), ("eagle3-vanilla", "vs EAGLE-3 vanilla"),
+                 ("eagle3-best", "vs best fixed N"), ("autoregressive", "vs autoregressive"))
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["link"], r["category"], r["cache_fraction"]), {})[r["policy"]] = r
+    head = ["link", "dataset", "cache", *[name for _, name in baselines], f"{policy} τ / EAGLE-3 τ", "all identical"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (link, category, fraction), by in sorted(cells.items()):
+        if policy not in by:
+            continue
+        mine = by[policy]
+        line = [f"`{link}`", _CATEGORY_NAMES.get(category, category), f"{fraction:.0%}"]
+        for base, _ in baselines:
+            line.append(f"{mine['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x" if base in by else "–")
+        tau = by["eagle3"]["mean_accepted"] if "eagle3" in by else float("nan")
+        line.append(f"{mine['mean_accepted']:.2f} / {tau:.2f}")
+        line.append("yes" if all(r["outputs_identical_to_autoregressive"] for r in by.values()) else "**no**")
+        out.append("| " + " | ".join(line) + " |")
+    return "\n".join(out) + "\n"
+
+
 def write_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write ``results.json``, ``results.md`` and PNG plots to ``out_dir``; returns the paths."""
     import matplotlib
@@ -506,9 +537,10 @@ def write_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths = {"json": out / "results.json", "markdown": out / "results.md", "summary": out / "summary.md"}
     paths["json"].write_text(json.dumps(results, indent=2, default=float))
     paths["markdown"].write_text(markdown_table(results["runs"]))
+    paths["summary"].write_text(speedup_summary(results["runs"]))
 
     rows = results["runs"]
     cells = sorted({(r["category"], r["cache_fraction"], r["link"]) for r in rows})

@@ -254,6 +254,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise SystemExit(f"specfit: {e}") from e
     paths = write_report(merged, args.out)
     print(paths["markdown"].read_text())
+    print(paths["summary"].read_text())
     print("wrote", ", ".join(str(p) for p in paths.values()))
     return 0
 

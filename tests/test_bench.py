@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from specfit_hf.bench import PromptRun, Variant, run_benchmark, summarize, write_report
+from specfit_hf.bench import PromptRun, Variant, merge_results, run_benchmark, speedup_summary, summarize, write_report
 from specfit_hf.quality import FinalAnswerAccuracy, Rouge, gsm8k_final_answer
 from specfit_hf.regimes import REGIMES, LinkRegime, emulated_gbps, emulated_link_params
 
@@ -109,3 +109,45 @@ def test_quality_metrics():
     assert gsm8k_final_answer("She has 1,250 apples") == "1250"
     assert gsm8k_final_answer("#### 12.50") == "12.5"
     assert gsm8k_final_answer("no digits") is None
+
+
+def test_policies_filter_and_bad_policy_names(pair):
+    target, draft = pair
+    prompts = {"math_reasoning": ["Question: 2+2?"]}
+    results = run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.5,), links=(FAST,),
+                            policies=["autoregressive", "eagle3"], max_new_tokens=4, progress=False)
+    assert [r["policy"] for r in results["runs"]] == ["autoregressive", "eagle3"]
+    assert results["meta"]["link_timing"] == "virtual" and results["meta"]["commit"]
+    with pytest.raises(ValueError, match="unknown policies"):
+        run_benchmark(target, draft, CharTokenizer(), prompts, links=(FAST,), policies=["eagle4"], progress=False)
+    with pytest.raises(ValueError, match="tune_prompts"):
+        run_benchmark(target, draft, CharTokenizer(), prompts, links=(FAST,), policies=["eagle3-best"], progress=False)
+
+
+def test_merge_results_concatenates_cells_and_refuses_duplicates(tmp_path):
+    from specfit_hf.cli import main
+
+    def part(category, link, meta):
+        rows = [{"category": category, "cache_fraction": 0.5, "link": link, "policy": p, "tokens_per_s": 1.0,
+                 "mean_accepted": 1.0, "experts_loaded_per_token": 1.0, "outputs_identical_to_autoregressive": True,
+                 "speedup_vs_autoregressive": 1.0} for p in ("autoregressive", "specfit")]
+        return {"runs": rows, "meta": meta}
+
+    a = part("summarization", "qwen3-pcie4", {"commit": "abc", "max_new_tokens": 32, "cached_step_seconds": 0.01})
+    b = part("math_reasoning", "qwen3-pcie4", {"commit": "abc", "max_new_tokens": 32, "cached_step_seconds": 0.02})
+    merged = merge_results([a, b])
+    assert len(merged["runs"]) == 4
+    assert merged["meta"]["commit"] == "abc" and "cached_step_seconds" not in merged["meta"]
+    assert len(merged["meta"]["parts"]) == 2
+    summary = speedup_summary(merged["runs"]).splitlines()
+    assert len(summary) == 2 + 2  # header, rule, one line per cell
+    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | – | – | – | 1.00x | 1.00 / nan | yes |" in summary
+    with pytest.raises(ValueError, match="more than one"):
+        merge_results([a, a])
+    for name, res in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b" / "results.json"), "--out", str(tmp_path / "m")]) == 0
+    assert len(json.loads((tmp_path / "m" / "results.json").read_text())["runs"]) == 4
+    with pytest.raises(SystemExit, match="no results.json"):
+        main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])

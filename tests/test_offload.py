@@ -345,6 +345,38 @@ def test_emulated_link_waits_and_counts():
         EmulatedLink(gbps=0)
 
 
+def test_virtual_link_advances_the_clock_instead_of_waiting():
+    from specfit_hf.offload import clock
+
+    src, dst = torch.randn(1000), torch.zeros(1000)
+    link = EmulatedLink(gbps=4e-5, latency_us=0.0, virtual=True)  # 4000 bytes -> 100 ms
+    wall, virtual = time.perf_counter(), clock()
+    took = link.copy([(dst, src)], nbytes=4000)
+    wall, virtual = time.perf_counter() - wall, clock() - virtual
+    assert torch.equal(dst, src)
+    assert took >= 0.1 and virtual >= 0.1  # the timeline holds the whole transfer
+    assert wall < 0.05  # without the machine waiting it out
+    assert virtual == pytest.approx(0.1, abs=0.02)
+
+    model = build_model("qwen3_moe", seed=5)
+    link = EmulatedLink(gbps=0.005, virtual=True)  # ~0.2 ms per expert: far above the real copy
+    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K, link=link)
+    try:
+        wall, start = time.perf_counter(), clock()
+        with torch.no_grad():
+            model(PROMPT[:, :1])
+        wall, elapsed = time.perf_counter() - wall, clock() - start
+        total = runtime.stats.total
+        emulated = total.misses * link.transfer_seconds(runtime.expert_bytes)
+        assert total.misses == TOP_K * len(runtime.moe_layers)
+        # a transfer takes its emulated time, or the real copy's if that is longer (as when waiting)
+        assert emulated <= total.transfer_seconds <= 1.2 * emulated
+        assert elapsed >= emulated  # the forward's measured time holds every transfer
+        assert elapsed - wall >= 0.5 * emulated  # most of which was not waited out
+    finally:
+        runtime.detach()
+
+
 def test_fused_kernel_path_on_cpu():
     """The fused-kernel wiring, exercised through the kernel package's torch backend."""
     pytest.importorskip("specfit_kernels")

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specfit_hf.selection import CostModel, SearchProblem, evaluate_subtree, select_subtree
+from specfit_hf.selection import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
 from specfit_hf.tree import Selection
 
 
@@ -63,6 +63,20 @@ def test_matches_brute_force(inst):
     again = evaluate_subtree(*inst, nodes=sel.nodes)
     assert again.throughput == pytest.approx(sel.throughput, rel=1e-12)
     assert sel.expected_tokens == pytest.approx(1.0 + float(np.sum(inst[1][sel.nodes.numpy()])), rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_pruning_to_useful_nodes_keeps_the_optimum(inst):
+    parents, path, node_experts, root_experts, cached, cost = inst
+    keep = useful_nodes(path, cost, SearchProblem(*inst).root_missing)
+    kept = np.nonzero(keep)[0]
+    assert all(parents[v] < 0 or keep[parents[v]] for v in kept)  # ancestor-closed
+    remap = np.full(len(parents), -1)
+    remap[kept] = np.arange(kept.size)
+    sub = select_subtree(np.where(parents[kept] >= 0, remap[np.maximum(parents[kept], 0)], -1), path[kept],
+                         node_experts[kept], root_experts, cached, cost)
+    assert sub.throughput >= brute_force(*inst) * (1 - 1e-9)
 
 
 @settings(max_examples=100, deadline=None)

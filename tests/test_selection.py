@@ -413,7 +413,7 @@ def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
     assert alone.calibrator.observations == 0
 
 
-def test_adaptive_drafting_compares_tokens_per_wall_second_without_the_first_cycle():
+def test_adaptive_drafting_compares_tokens_per_wall_second():
     from specfit_hf.generation.loop import CycleRecord
 
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
@@ -430,7 +430,6 @@ def test_adaptive_drafting_compares_tokens_per_wall_second_without_the_first_cyc
                            select_seconds=0.0, verify_seconds=seconds - draft_s)
 
     ok = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
-    policy.observe(drafted, sel, ok, record(2, 1.0, 0.9))  # first cycle: the draft read the prompt
     assert policy.drafted_rate is None and policy.level_seconds is None
     policy.observe(drafted, sel, ok, record(2, 0.02, 0.005))
     policy.observe(drafted, sel, ok, record(2, 0.06, 0.005))
@@ -464,3 +463,68 @@ def test_search_charges_measured_loads_per_predicted_miss():
     assert 2.0 < policy.miss_scale <= 3.0  # 12 loaded per 4 predicted, shrunk toward 1
     policy.cost = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
     assert policy.cycle_cost_model(0).t_expert == pytest.approx(0.002 * policy.miss_scale)
+
+
+def _drafting_policy(**kwargs):
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), expert_predictor="none", **kwargs)
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    return policy, ctx
+
+
+def _run_cycle(policy, ctx, committed_if_drafted, seconds_if_drafted, plain_seconds):
+    """One cycle as the loop runs it: ask on the empty tree, then report what happened."""
+    from specfit_hf.generation.loop import CycleRecord
+
+    skip = policy.select(DraftTree(root_token=5), ctx).stop
+    if skip:
+        tree, sel, committed, seconds = DraftTree(root_token=5), Selection(nodes=torch.empty(0, dtype=torch.long)), 1, plain_seconds
+        result = VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[7], bonus_token=7)
+    else:
+        tree = DraftTree(root_token=5)
+        tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
+        sel, committed, seconds = Selection(nodes=torch.tensor([0])), committed_if_drafted, seconds_if_drafted
+        result = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
+    record = CycleRecord(nodes_drafted=len(tree), nodes_verified=len(sel), tokens_accepted=committed - 1,
+                         tokens_committed=committed, cycle_seconds=seconds, draft_seconds=0.0 if skip else 0.004,
+                         select_seconds=0.0, verify_seconds=seconds)
+    policy.observe(tree, sel, result, record)
+    return "P" if skip else "D"
+
+
+def test_exploration_backs_off_while_the_ranking_holds_and_resets_when_it_flips():
+    policy, ctx = _drafting_policy(explore_every=4, max_explore_every=16)
+    # drafting: 2 tokens in 0.1 s (20 tok/s); plain: 1 token in 0.03 s (33 tok/s)
+    kinds = "".join(_run_cycle(policy, ctx, 2, 0.1, 0.03) for _ in range(60))
+    assert kinds.startswith("DPPD")  # measure both kinds, then the faster one
+    explorations = [i for i, k in enumerate(kinds) if k == "D" and i > 0]
+    gaps = np.diff(explorations).tolist()
+    assert gaps[:3] == [8, 16, 16]  # 4 -> 8 -> 16 (capped): each confirmation doubles the interval
+    assert policy.drafting.interval == 16
+    # now drafting pays (10 tokens in 0.1 s): the next exploration flips the ranking
+    kinds, intervals = "", []
+    for _ in range(30):
+        kinds += _run_cycle(policy, ctx, 10, 0.1, 0.03)
+        intervals.append(policy.drafting.interval)
+    assert policy.drafted_rate > policy.plain_rate
+    assert 4 in intervals  # reset to explore_every on the flip
+    assert kinds[-10:].count("D") >= 8 and "P" in kinds[-10:]  # drafting now, plain explored now and then
+
+
+def test_drafting_measurements_are_shared_per_runtime_and_draft():
+    draft, runtime = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)  # any weak-referenceable objects
+    config, ctx = _shared_ctx(draft, expert_predictor="none")
+    ctx.runtime = runtime
+    first, second = get_policy("specfit", config), get_policy("specfit", config)
+    first.reset(ctx)
+    second.reset(ctx)
+    assert second.drafting is first.drafting
+    other = CycleContext(target=None, runtime=torch.nn.Linear(1, 1), config=config, extras=ctx.extras)
+    third = get_policy("specfit", config)
+    third.reset(other)
+    assert third.drafting is not first.drafting
+    config, ctx2 = _shared_ctx(draft, share_drafting=False, expert_predictor="none")
+    ctx2.runtime = runtime
+    alone = get_policy("specfit", config)
+    alone.reset(ctx2)
+    assert alone.drafting is not first.drafting

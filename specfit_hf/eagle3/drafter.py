@@ -109,9 +109,21 @@ class Eagle3TreeDrafter(Drafter):
                 f"target features {tuple(target_features.shape)} do not match prompt ids {tuple(prompt_ids.shape)}"
             )
         self._state = self._empty_state()
-        self._state.pending_tokens = prompt_ids[0, 1:].cpu()
-        self._state.pending_features = target_features[0]
         self._tree = None
+        # Read the prompt now rather than in the first tree's catch-up, so every drafting
+        # cycle costs what drafting costs (a policy deciding whether drafting pays measures
+        # cycles).  Pairs are (token i+1, target feature i); the last feature waits for the
+        # root token, which the first tree brings.
+        st = self._state
+        n = prompt_ids.shape[1]
+        if n > 1:
+            tokens = prompt_ids[0, 1:].cpu()
+            hidden = self.model.project_features(target_features[0, :-1].to(self.device))
+            positions = torch.arange(n - 1)
+            self._run(tokens, hidden, positions, causal_mask(n - 1, 0, self.dtype, self.device))
+            st.next_position = n - 1
+        st.pending_tokens = torch.empty(0, dtype=torch.long)
+        st.pending_features = target_features[0, -1:]
 
     @torch.no_grad()
     def draft_level(self, tree: DraftTree) -> None:

@@ -1,6 +1,6 @@
 """Stage 3 of the cycle: choose the draft subtree to verify."""
 
-from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree
+from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
 from .acceptance import AcceptanceCalibrator, path_acceptance
 from .calibration import OnlineCostModel, calibrate, fit_cost_model, mape
 from .experts import (
@@ -38,6 +38,7 @@ __all__ = [
     "SpecFitPolicy",
     "default_cost_model",
     "CostModel",
+    "useful_nodes",
     "SearchProblem",
     "evaluate_subtree",
     "select_subtree",

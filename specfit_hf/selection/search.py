@@ -53,7 +53,7 @@ import torch
 
 from ..tree import Selection
 
-__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "SearchProblem"]
+__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem"]
 
 _INT_SCALE = float(2**30 - 1)  # flow values stay below int32 max
 _GAP_TOL = 1e-12  # tokens: stop refining the cut once it is this close to optimal
@@ -497,6 +497,23 @@ def _min_cut_rounds(
         yield side
         if gap <= _GAP_TOL:
             return
+
+
+def useful_nodes(path_prob: Any, cost: CostModel, root_missing: int) -> np.ndarray:
+    """Mask of the nodes an optimal subtree may hold: ``path_prob > t_token / T(root alone)``.
+
+    Exact pruning before the search (fewer nodes to build the problem from and to predict
+    experts for).  For a node ``v`` at or below the threshold, the subtree ``D`` under it
+    adds at most ``|D| P(v)`` expected tokens (path acceptance never grows along a path)
+    and at least ``|D| t_token`` seconds (expert costs are non-negative), a ratio no better
+    than the throughput of verifying the root alone -- and the optimum's throughput is at
+    least that, so dropping ``D`` from any set never lowers its throughput.  The mask is
+    ancestor-closed because path acceptance is non-increasing along paths.
+
+    ``root_missing``: distinct experts of the root that are not resident (priced in ``T``).
+    """
+    p = _as_numpy(path_prob, np.float64).reshape(-1)
+    return p > cost.t_token / cost.predict(1, root_missing)
 
 
 def select_subtree(

@@ -17,13 +17,21 @@
    node's ancestors are not in the optimum yet: a chain below can amortise them).
 5. **adaptive drafting** (on the empty tree): a cycle drafts nothing (verifies the root
    alone) while measured tokens/s of drafting cycles trail those of plain cycles, with
-   one exploring cycle of the other kind every ``explore_every`` cycles.  This is how
+   one exploring cycle of the other kind every ``explore_every`` cycles; each exploration
+   that confirms the ranking doubles that interval (up to ``max_explore_every``), a
+   flipped ranking resets it, so a losing kind costs ever less.  This is how
    the policy degrades to plain decoding when the draft is too slow or too inaccurate
    for the link (the per-cycle search cannot see the cost of a draft level it has not
    drafted yet).  Drafting time per level is tracked separately (EMA) and added to the
    search's ``t0`` for the levels already drafted.  Rates are decayed sums of tokens over
-   decayed sums of wall seconds (draft + search + verify); the first cycle of a call
-   (whose draft also reads the prompt) is left out.
+   decayed sums of wall seconds (draft + search + verify); a drafter reads the prompt
+   before the first cycle, so no cycle carries that one-off cost.  These measurements belong to the
+   host, link, cache and draft, so later ``generate`` calls on the same offload runtime
+   with the same draft carry them on (``share_drafting``).
+
+Before each search, nodes whose path acceptance is at most ``t_token / T(root alone)``
+are dropped with their subtrees (:func:`~specfit_hf.selection.search.useful_nodes`, exact);
+their experts are then never predicted either.
 
 After verification (``observe``) it learns online: the acceptance calibrator (bins per
 depth group and per sibling rank: a parent's most confident child vs the others) from
@@ -44,8 +52,10 @@ dict), ``calibrate`` (bool: profile the host in ``reset``), ``expert_predictor``
 ``max_nodes`` (only the ``max_nodes`` most likely nodes are candidates), ``online_cost``
 (bool, default True), ``acceptance`` (dict of :class:`AcceptanceCalibrator` args),
 ``adaptive_drafting`` (bool, default True), ``explore_every`` (int, default 8),
-``lookahead`` (bool, default True: the stop rule's look-ahead), ``share_acceptance``
-(bool, default True: keep acceptance estimates across calls with the same draft).
+``max_explore_every`` (int, default 64), ``lookahead`` (bool, default True: the stop
+rule's look-ahead), ``share_acceptance`` (bool, default True: keep acceptance estimates
+across calls with the same draft), ``share_drafting`` (bool, default True: keep drafting
+rates across calls with the same offload runtime and draft).
 ``max_verify_nodes`` of the config is not used: the cost model sizes the subtree.
 Give ``cost`` as a dict if the config is to be saved (``save_pretrained`` writes JSON).
 
@@ -74,7 +84,7 @@ from .experts import (
     make_predictor,
 )
 from .policy import CycleContext, SelectionPolicy, register_policy, top_n_by_path_prob
-from .search import CostModel, select_subtree
+from .search import CostModel, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy", "OraclePolicy", "OracleProbe", "default_cost_model"]
 
@@ -132,6 +142,32 @@ class _AcceptanceState:
 # draft model -> {acceptance settings: state}; the estimates carry over from one
 # generate call to the next with the same draft (acceptance is a property of the pair)
 _SHARED_ACCEPTANCE: "weakref.WeakKeyDictionary[Any, dict[str, _AcceptanceState]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _DraftingState:
+    """Measured cost and pay-off of drafting (shared across calls on one runtime + draft).
+
+    ``level_seconds``: EMA of draft + search seconds per level.  ``drafted_sums`` /
+    ``plain_sums``: decayed (tokens, seconds) of cycles that drafted / did not.
+    ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploring cycle and
+    the cycles until the next; ``exploring``: while an exploring cycle is in flight, the
+    ranking (plain faster?) it was meant to test.
+    """
+
+    interval: int
+    level_seconds: float | None = None
+    drafted_sums: tuple[float, float] | None = None
+    plain_sums: tuple[float, float] | None = None
+    cycle: int = 0
+    explored_at: int = 0
+    exploring: bool | None = None
+
+
+# offload runtime -> draft model -> drafting state
+_SHARED_DRAFTING: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _DraftingState]]" = (
+    weakref.WeakKeyDictionary()
+)
 _CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred tokens
 _MISS_DECAY = 0.9  # per cycle: the loads-per-predicted-miss ratio follows the cache state
 _MISS_PRIOR = 4.0  # pseudo-misses on both sides: the ratio starts at 1
@@ -144,6 +180,7 @@ class _TreePredictions:
         self.tree = tree
         self.nodes: np.ndarray | None = None
         self.root: np.ndarray | None = None
+        self.done: np.ndarray | None = None  # which node rows hold predictions
 
 
 @register_policy("specfit")
@@ -171,15 +208,11 @@ class SpecFitPolicy(SelectionPolicy):
         self._cached: np.ndarray | None = None
         self._last: Selection | None = None
         # drafting cost and whether drafting pays off (see select on the empty tree)
-        self.level_seconds: float | None = None  # EMA of draft seconds per level
-        # decayed (tokens, wall seconds) sums of cycles that drafted / did not; the rate
-        # is their ratio (a mean of per-cycle rates would overweight short cycles)
-        self._drafted_sums: tuple[float, float] | None = None
-        self._plain_sums: tuple[float, float] | None = None
-        self._observed_cycles = 0
         self.explore_every = int(kw.get("explore_every", 8))
+        self.max_explore_every = max(self.explore_every, int(kw.get("max_explore_every", 64)))
+        self.share_drafting = bool(kw.get("share_drafting", True))
+        self.drafting = _DraftingState(interval=self.explore_every)
         self.ema = float(kw.get("ema", 0.3))
-        self._cycle = 0
         self._miss_sums = (0.0, 0.0)  # decayed (measured loads, predicted misses) of verified sets
 
     # -------------------------------------------------------------- lifecycle
@@ -210,10 +243,19 @@ class SpecFitPolicy(SelectionPolicy):
             self.measured[name] = make_predictor(name, ctx.runtime, ctx.target, draft)
         self.quality = {name: UnionQuality() for name in ["policy", *self.measured]}
         self._pred = None
-        self.level_seconds = self._drafted_sums = self._plain_sums = None
-        self._observed_cycles = 0
-        self._cycle = 0
+        self.drafting = self._drafting_state(ctx.runtime, draft)
+        self.drafting.exploring = None
         self._miss_sums = (0.0, 0.0)
+
+    def _drafting_state(self, runtime: Any, draft: Any) -> _DraftingState:
+        fresh = _DraftingState(interval=self.explore_every)
+        if not self.share_drafting or runtime is None or draft is None:
+            return fresh
+        try:
+            per_draft = _SHARED_DRAFTING.setdefault(runtime, weakref.WeakKeyDictionary())
+            return per_draft.setdefault(draft, fresh)
+        except TypeError:  # not weak-referenceable: keep this call's own measurements
+            return fresh
 
     @property
     def calibrator(self) -> AcceptanceCalibrator:
@@ -245,35 +287,59 @@ class SpecFitPolicy(SelectionPolicy):
         return float(np.clip((loaded + _MISS_PRIOR) / (predicted + _MISS_PRIOR), 0.25, 4.0))
 
     @property
+    def level_seconds(self) -> float | None:
+        """Measured draft + search seconds per draft level (EMA)."""
+        return self.drafting.level_seconds
+
+    @property
     def drafted_rate(self) -> float | None:
         """Measured tokens per wall second (draft, search and verify) of cycles that drafted."""
-        return None if self._drafted_sums is None else self._drafted_sums[0] / self._drafted_sums[1]
+        sums = self.drafting.drafted_sums
+        return None if sums is None else sums[0] / sums[1]
 
     @property
     def plain_rate(self) -> float | None:
         """Measured tokens per wall second of cycles that verified the root alone without drafting."""
-        return None if self._plain_sums is None else self._plain_sums[0] / self._plain_sums[1]
+        sums = self.drafting.plain_sums
+        return None if sums is None else sums[0] / sums[1]
 
     def _skip_drafting(self) -> bool:
         """Draft nothing this cycle when cycles that draft have been slower than plain ones.
 
-        The first cycle drafts, the second does not (to measure both); afterwards the
-        faster kind runs, and every ``explore_every``-th cycle runs the other kind so
-        both estimates follow the text (acceptance changes with content).  Off with
+        The first measured cycle drafts, the next does not (to measure both); afterwards
+        the faster kind runs, and after ``interval`` cycles one runs the other kind so both
+        estimates follow the text (acceptance changes with content).  An exploration that
+        confirms the ranking doubles ``interval`` (up to ``max_explore_every``); one that
+        flips it resets it to ``explore_every``.  Off with
         ``policy_kwargs={"adaptive_drafting": False}``.
         """
+        state = self.drafting
+        state.cycle += 1
         if not self.kwargs.get("adaptive_drafting", True):
             return False
         if self.drafted_rate is None:
             return False
         if self.plain_rate is None:
             return True
-        explore = self._cycle % self.explore_every == 0
         plain_is_faster = self.plain_rate > self.drafted_rate
+        explore = state.cycle - state.explored_at >= state.interval
+        if explore:
+            state.explored_at = state.cycle
+            state.exploring = plain_is_faster
         return plain_is_faster != explore
 
+    def _end_exploration(self) -> None:
+        """After an exploring cycle's rate is in: back off if the ranking held, else reset."""
+        state = self.drafting
+        if state.exploring is None or self.drafted_rate is None or self.plain_rate is None:
+            return
+        held = (self.plain_rate > self.drafted_rate) == state.exploring
+        state.interval = min(2 * state.interval, self.max_explore_every) if held else self.explore_every
+        state.exploring = None
+
     # -------------------------------------------------------------- selection
-    def _experts(self, tree: DraftTree, ctx: CycleContext) -> tuple[np.ndarray, np.ndarray] | None:
+    def _root_experts(self, tree: DraftTree, ctx: CycleContext) -> np.ndarray | None:
+        """Predicted experts of the root (this cycle's predictions start here)."""
         if self.predictor is None:
             return None
         pred = self._pred
@@ -281,11 +347,23 @@ class SpecFitPolicy(SelectionPolicy):
             pred = self._pred = _TreePredictions(tree)
             pred.root = self.predictor.predict_root(tree, ctx)
             pred.nodes = np.zeros((0, *pred.root.shape), dtype=np.int64)
+            pred.done = np.zeros(0, dtype=bool)
             self._cached = cached_mask(self.runtime)  # the draft does not touch the target's cache
-        done = pred.nodes.shape[0]
-        if done < len(tree):
-            new = self.predictor.predict(tree, ctx, np.arange(done, len(tree)))
-            pred.nodes = np.concatenate([pred.nodes, new])
+        return pred.root
+
+    def _experts(self, tree: DraftTree, ctx: CycleContext, need: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(node experts, root experts); rows of nodes not in ``need`` and never predicted are -1."""
+        if self._root_experts(tree, ctx) is None:
+            return None
+        pred = self._pred
+        grow = len(tree) - pred.nodes.shape[0]
+        if grow > 0:
+            pred.nodes = np.concatenate([pred.nodes, np.full((grow, *pred.root.shape), -1, dtype=np.int64)])
+            pred.done = np.concatenate([pred.done, np.zeros(grow, dtype=bool)])
+        todo = need[~pred.done[need]]
+        if todo.size:
+            pred.nodes[todo] = self.predictor.predict(tree, ctx, todo)
+            pred.done[todo] = True
         return pred.nodes, pred.root
 
     def _root_only_time(self, tree: DraftTree, ctx: CycleContext) -> float:
@@ -293,10 +371,7 @@ class SpecFitPolicy(SelectionPolicy):
         misses = 0
         if self.predictor is not None:
             root = self.predictor.predict_root(tree, ctx)  # history knows tokens; others need a hidden
-            cached = cached_mask(self.runtime)
-            valid = root >= 0
-            layer = np.broadcast_to(np.arange(root.shape[0])[:, None], root.shape)
-            misses = len(set(zip(layer[valid].tolist(), root[valid].tolist())) - set(zip(*np.nonzero(cached))))
+            misses = _root_missing(root, cached_mask(self.runtime))
         return self.cycle_cost_model(0).predict(1, misses)
 
     def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
@@ -304,41 +379,38 @@ class SpecFitPolicy(SelectionPolicy):
             self.reset(ctx)
         if len(tree) == 0:
             self._last = None
-            self._cycle += 1
             return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=self._root_only_time(tree, ctx),
                              stop=self.max_depth < 1 or self._skip_drafting())
         node_acc = self.calibrator(tree.draft_probs, tree.depths, sibling_ranks(tree))
         path = path_acceptance(tree, node_acc)
-        experts = self._experts(tree, ctx)
-        candidates = None
-        if self.max_nodes is not None and len(tree) > int(self.max_nodes):
-            candidates = top_n_by_path_prob(_with_path(tree, path), int(self.max_nodes)).numpy()
+        cost = self.cycle_cost_model(tree.num_levels)
+        root = self._root_experts(tree, ctx)
+        root_missing = 0 if root is None else _root_missing(root, self._cached)
+        keep = useful_nodes(path, cost, root_missing)  # exact pruning
+        if self.max_nodes is not None and int(keep.sum()) > int(self.max_nodes):
+            top = top_n_by_path_prob(_with_path(tree, np.where(keep, path, -1.0)), int(self.max_nodes)).numpy()
+            keep = np.zeros(len(tree), dtype=bool)
+            keep[top] = True
+        candidates = np.nonzero(keep)[0]
+        newest = np.nonzero(tree.depths.numpy() == tree.num_levels)[0]
+        experts = self._experts(tree, ctx, np.union1d(candidates, newest))  # the look-ahead reads the frontier
         parents = tree.parents.numpy()
+        remap = np.full(len(tree), -1, dtype=np.int64)
+        remap[candidates] = np.arange(candidates.size)
+        sub_parents = np.where(parents[candidates] >= 0, remap[np.maximum(parents[candidates], 0)], -1)
         warm = None
         if self._last is not None and self._last.nodes.numel() and int(self._last.nodes.max()) < len(tree):
-            warm = self._last.nodes.numpy()
-        if candidates is not None:
-            remap = np.full(len(tree), -1, dtype=np.int64)
-            remap[candidates] = np.arange(candidates.size)
-            sub_parents = np.where(parents[candidates] >= 0, remap[np.maximum(parents[candidates], 0)], -1)
-            sel = select_subtree(
-                sub_parents, path[candidates],
-                None if experts is None else experts[0][candidates],
-                None if experts is None else experts[1],
-                None if experts is None else self._cached,
-                self.cycle_cost_model(tree.num_levels),
-                warm_start=None if warm is None else remap[warm][remap[warm] >= 0],
-            )
-            sel.nodes = torch.from_numpy(candidates[sel.nodes.numpy()])
-        else:
-            sel = select_subtree(
-                parents, path,
-                None if experts is None else experts[0],
-                None if experts is None else experts[1],
-                None if experts is None else self._cached,
-                self.cycle_cost_model(tree.num_levels),
-                warm_start=warm,
-            )
+            warm = remap[self._last.nodes.numpy()]
+            warm = warm[warm >= 0]
+        sel = select_subtree(
+            sub_parents, path[candidates],
+            None if experts is None else experts[0][candidates],
+            None if experts is None else experts[1],
+            None if experts is None else self._cached,
+            cost,
+            warm_start=warm,
+        )
+        sel.nodes = torch.from_numpy(candidates[sel.nodes.numpy()])
         sel.stop = tree.num_levels >= self.max_depth or not self._worth_drafting_deeper(tree, sel, path, experts)
         self._last = sel
         return sel
@@ -459,18 +531,18 @@ class SpecFitPolicy(SelectionPolicy):
         if not math.isfinite(seconds) or seconds <= 0:
             return
         a = self.ema
-        self._observed_cycles += 1
-        # The first cycle's draft also reads the whole prompt (a one-off catch-up that any
-        # drafting run pays once): counting it would charge every later draft level and
-        # every later drafting cycle with it, so it stays out of both statistics.
-        first = self._observed_cycles == 1
-        if tree.num_levels > 0 and not first:
+        state = self.drafting
+        if tree.num_levels > 0:
             # a level costs its draft step and the search after it
             per_level = (draft_s + select_s) / tree.num_levels
-            self.level_seconds = per_level if self.level_seconds is None else (1 - a) * self.level_seconds + a * per_level
-            self._drafted_sums = _decayed_add(self._drafted_sums, committed, seconds, a)
+            state.level_seconds = (
+                per_level if state.level_seconds is None else (1 - a) * state.level_seconds + a * per_level
+            )
+            state.drafted_sums = _decayed_add(state.drafted_sums, committed, seconds, a)
+            self._end_exploration()
         elif tree.num_levels == 0:
-            self._plain_sums = _decayed_add(self._plain_sums, committed, seconds, a)
+            state.plain_sums = _decayed_add(state.plain_sums, committed, seconds, a)
+            self._end_exploration()
         loaded = getattr(record, "experts_loaded", None)
         if not self.kwargs.get("online_cost", True):
             self.cost.predicted.append(float(selection.predicted_time))
@@ -495,6 +567,16 @@ class SpecFitPolicy(SelectionPolicy):
             out["cycle_time_mape_percent"] = self.cost.mape
         out["expert_union"] = {name: q.as_dict() for name, q in self.quality.items()}
         return out
+
+
+def _root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:
+    """Distinct (layer, expert) pairs of ``root`` ``[L, k]`` (-1 = none) not resident in ``cached`` ``[L, E]``."""
+    layer = np.broadcast_to(np.arange(root.shape[0])[:, None], root.shape)
+    valid = root >= 0
+    pairs = np.unique(np.stack([layer[valid], root[valid]]), axis=1)
+    if cached is None:
+        return int(pairs.shape[1])
+    return int((~cached[pairs[0], pairs[1]]).sum())
 
 
 def _decayed_add(sums: tuple[float, float] | None, tokens: float, seconds: float, a: float) -> tuple[float, float]:
