@@ -193,7 +193,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_benchmark, write_report
+    from .bench import default_variants, run_benchmark, write_report
     from .data import load_prompts
 
     device = _device(args.device)
@@ -214,24 +214,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             prompts[category] = [r["prompt"] for r in rows[: args.num_prompts]]
             if args.tune_prompts:
                 tune[category] = [r["prompt"] for r in rows[args.num_prompts:]]
-    if args.policies and "eagle3-best" in args.policies and not tune:
-        raise SystemExit("specfit: eagle3-best needs --tune-prompts > 0")
-    try:
-        results = run_benchmark(
-            target,
-            draft,
-            tok,
-            prompts,
-            cache_fractions=args.cache_fractions,
-            links=args.link,
-            policies=args.policies,
-            runs=args.runs,
-            max_new_tokens=args.max_new_tokens,
-            tune_prompts=tune or None,
-            virtual_link=args.link_timing == "virtual",
-        )
-    except ValueError as e:
-        raise SystemExit(f"specfit: {e}") from e
+    if args.policies:
+        known = {v.label for v in default_variants(best_n=0)}
+        unknown = sorted(set(args.policies) - known)
+        if unknown:
+            raise SystemExit(f"specfit: unknown policies {unknown}; choose from {sorted(known)}")
+        if "eagle3-best" in args.policies and not tune:
+            raise SystemExit("specfit: eagle3-best needs --tune-prompts > 0")
+    results = run_benchmark(
+        target,
+        draft,
+        tok,
+        prompts,
+        cache_fractions=args.cache_fractions,
+        links=args.link,
+        policies=args.policies,
+        runs=args.runs,
+        max_new_tokens=args.max_new_tokens,
+        tune_prompts=tune or None,
+        virtual_link=args.link_timing == "virtual",
+    )
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())
     print("wrote", ", ".join(str(p) for p in paths.values()))

@@ -528,3 +528,12 @@ def test_drafting_measurements_are_shared_per_runtime_and_draft():
     alone = get_policy("specfit", config)
     alone.reset(ctx2)
     assert alone.drafting is not first.drafting
+
+
+def test_closure_guard_keeps_only_nodes_whose_ancestors_are_selected():
+    from specfit_hf.selection.specfit import _ancestor_closed, _closed_part
+
+    parents = np.array([-1, 0, 1, -1, 3])
+    assert _ancestor_closed(parents, np.array([0, 1, 2, 3]))
+    assert not _ancestor_closed(parents, np.array([0, 2]))
+    assert _closed_part(parents, np.array([0, 2, 3, 4])).tolist() == [True, False, True, True]

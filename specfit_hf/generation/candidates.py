@@ -69,7 +69,11 @@ def _select_block(tree: DraftTree, nodes: torch.Tensor) -> tuple[torch.Tensor, .
     # Parent -1 (the root) maps to block index 0.
     parents = torch.where(tree_parents >= 0, block_of_node[tree_parents.clamp(min=0)], 0)
     if bool((parents < 0).any()):
-        raise ValueError("the selection is not ancestor-closed: a selected node's parent is missing")
+        orphans = nodes[parents < 0].tolist()
+        raise ValueError(
+            f"the selection is not ancestor-closed: nodes {orphans[:8]} are selected without their parents "
+            f"{tree.parents[orphans[:8]].tolist()}"
+        )
     tokens = torch.cat([torch.tensor([tree.root_token]), tree.tokens[nodes]])
     block_parents = torch.cat([torch.tensor([-1]), parents])
     depths = torch.cat([torch.tensor([0]), tree.depths[nodes]])

@@ -66,6 +66,7 @@ Give ``cost`` as a dict if the config is to be saved (``save_pretrained`` writes
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -164,8 +165,8 @@ class _DraftingState:
     exploring: bool | None = None
 
 
-# offload runtime -> draft model -> drafting state
-_SHARED_DRAFTING: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _DraftingState]]" = (
+# offload runtime -> draft model -> policy and settings -> drafting state
+_SHARED_DRAFTING: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, dict[str, _DraftingState]]]" = (
     weakref.WeakKeyDictionary()
 )
 _CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred tokens
@@ -253,9 +254,12 @@ class SpecFitPolicy(SelectionPolicy):
             return fresh
         try:
             per_draft = _SHARED_DRAFTING.setdefault(runtime, weakref.WeakKeyDictionary())
-            return per_draft.setdefault(draft, fresh)
+            per_policy = per_draft.setdefault(draft, {})
         except TypeError:  # not weak-referenceable: keep this call's own measurements
             return fresh
+        # cycle costs depend on the policy and its settings (the oracle's include its probe)
+        key = f"{type(self).__name__}:{sorted(self.kwargs.items())!r}:{self.max_depth}"
+        return per_policy.setdefault(key, fresh)
 
     @property
     def calibrator(self) -> AcceptanceCalibrator:
@@ -410,7 +414,20 @@ class SpecFitPolicy(SelectionPolicy):
             cost,
             warm_start=warm,
         )
-        sel.nodes = torch.from_numpy(candidates[sel.nodes.numpy()])
+        chosen = candidates[sel.nodes.numpy()]
+        if not _ancestor_closed(parents, chosen):
+            # Never expected (the search returns closed sets); keep generation lossless by
+            # verifying the closed part, and leave the instance behind for a bug report.
+            dump = _save_instance(
+                parents=sub_parents, path=path[candidates], cached=self._cached, warm=warm,
+                node_experts=None if experts is None else experts[0][candidates],
+                root_experts=None if experts is None else experts[1],
+                cost=np.array([cost.t0, cost.t_token, cost.t_expert]), chosen=sel.nodes.numpy(),
+            )
+            warnings.warn(f"specfit: the search returned a subtree that is not ancestor-closed; verifying its "
+                          f"closed part (instance saved to {dump})", RuntimeWarning, stacklevel=2)
+            chosen = chosen[_closed_part(parents, chosen)]
+        sel.nodes = torch.from_numpy(chosen)
         sel.stop = tree.num_levels >= self.max_depth or not self._worth_drafting_deeper(tree, sel, path, experts)
         self._last = sel
         return sel
@@ -567,6 +584,35 @@ class SpecFitPolicy(SelectionPolicy):
             out["cycle_time_mape_percent"] = self.cost.mape
         out["expert_union"] = {name: q.as_dict() for name, q in self.quality.items()}
         return out
+
+
+def _ancestor_closed(parents: np.ndarray, nodes: np.ndarray) -> bool:
+    """Whether every node's parent is the root or in ``nodes``."""
+    inside = np.zeros(parents.size + 1, dtype=bool)
+    inside[nodes] = True
+    par = parents[nodes]
+    return bool(np.all((par < 0) | inside[np.maximum(par, 0)]))
+
+
+def _closed_part(parents: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Mask over ``nodes`` (sorted, parents first) of those whose ancestors are all in ``nodes``."""
+    ok = np.zeros(parents.size, dtype=bool)
+    inside = np.zeros(parents.size, dtype=bool)
+    inside[nodes] = True
+    for v in np.sort(nodes):
+        par = parents[v]
+        ok[v] = par < 0 or (inside[par] and ok[par])
+    return ok[nodes]
+
+
+def _save_instance(**arrays: Any) -> str:
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="specfit_unclosed_", suffix=".npz")
+    os.close(fd)
+    np.savez(path, **{k: np.asarray(v) for k, v in arrays.items() if v is not None})
+    return path
 
 
 def _root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:
