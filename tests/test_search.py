@@ -250,3 +250,22 @@ def test_min_cut_path_alone_matches_brute_force(monkeypatch, inst):
     monkeypatch.setattr(search, "_SPLIT_ROUNDS", 0)
     sel = select_subtree(*inst)
     assert sel.throughput >= brute_force(*inst) * (1 - 1e-9)
+
+
+def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypatch):
+    """A 42-node instance (found by a stress run) on which capacities near 2^31 overflowed
+    scipy's int32 flow arithmetic, and the 'infinite' edge child -> parent was cut."""
+    from pathlib import Path
+
+    import specfit_hf.selection.search as search
+
+    data = np.load(Path(__file__).parent / "data" / "search_int32_overflow.npz")
+    inst = (data["sp"], data["path"], data["ne"], data["re"], data["cached"], CostModel(*data["cost"]))
+    problem = SearchProblem(*inst)
+    sel = select_subtree(*inst)
+    mask = np.zeros(len(inst[0]), dtype=bool)
+    mask[sel.nodes.numpy()] = True
+    assert problem.is_closed(mask)
+    # a much coarser integer scale must reach the same optimum (the refinement is exact)
+    monkeypatch.setattr(search, "_INT_SCALE", float(2**16))
+    assert select_subtree(*inst).throughput == pytest.approx(sel.throughput, rel=1e-12)

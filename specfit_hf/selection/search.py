@@ -28,12 +28,15 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   DP's set beats it, that is the next Dinkelbach step.  A few rounds move each item's
   cost toward the users the relaxation wants; most calls end here without a min cut.
 * scipy's ``maximum_flow`` takes int32 capacities, so the cut is computed by
-  successive refinement: scale the (residual) capacities to 2^30, floor, max-flow,
-  subtract, repeat on the residual network.  After each round the exact float gap
-  ``cut capacity - flow value`` bounds how far the cut is from a minimum cut; we stop
+  successive refinement: scale the (residual) capacities so the gap is 2^27, floor,
+  max-flow, subtract, repeat on the residual network.  After each round the exact float
+  gap ``cut capacity - flow value`` bounds how far the cut is from a minimum cut; we stop
   when that gap is below ``1e-12`` tokens.  Each round shrinks the gap by about
-  ``2^30 / |cut|``, so two or three rounds reach float precision.  The returned
-  figures are always evaluated exactly from the chosen set.
+  ``2^27 / |cut|``, so two or three rounds reach float precision.  The returned
+  figures are always evaluated exactly from the chosen set.  The scale leaves int32
+  headroom on purpose: capacities are clipped at twice the gap, and the flow solver adds
+  pushed flow to a reverse edge's capacity, so with capacities near 2^31 it overflowed
+  and returned cuts that crossed "infinite" tree edges (selections missing a parent).
 
 Without expert information (``node_experts is None``) the closure is a tree and a
 linear-time dynamic program solves it exactly.
@@ -55,7 +58,7 @@ from ..tree import Selection
 
 __all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem"]
 
-_INT_SCALE = float(2**30 - 1)  # flow values stay below int32 max
+_INT_SCALE = float(2**27)  # capacities <= 2^28 and capacity + flow < 2^29: far below int32 max
 _GAP_TOL = 1e-12  # tokens: stop refining the cut once it is this close to optimal
 _MAX_REFINE_ROUNDS = 6
 _MAX_DINKELBACH_STEPS = 100
