@@ -330,6 +330,7 @@ def run_benchmark(
         if "eagle3-best" in policies and not tune_prompts:
             raise ValueError("policy 'eagle3-best' needs tune_prompts to pick N")
     emulated = str(device) == "cpu"
+    host = host_info()  # now: the code that runs, not whatever is checked out when the grid ends
 
     def encode(texts: list[str]) -> list[torch.Tensor]:
         return [tokenizer(t, return_tensors="pt").input_ids.to(device) for t in texts]
@@ -398,7 +399,7 @@ def run_benchmark(
         "emulated_link": emulated,
         "link_timing": ("virtual" if virtual_link else "wait") if emulated else "real",
         "device": str(device),
-        **host_info(),
+        **host,
     }
     return {"runs": rows, "meta": meta}
 
@@ -559,7 +560,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path
             ax.bar([i + j * width for i in range(len(cells))], ys, width, label=policy)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
-        ax.set_xticklabels([f"{_CATEGORY_NAMES.get(c, c)}, cache {f:.0%}" for c, f in cells], fontsize=8)
+        ax.set_xticklabels([f"{_CATEGORY_NAMES.get(c, c)}\ncache {f:.0%}" for c, f in cells], fontsize=8)
         ax.set_ylabel("tok/s vs autoregressive")
         ax.set_title(f"link {link}", fontsize=9)
     top = max([r.get("speedup_vs_autoregressive", 1.0) for r in rows] + [1.0])
