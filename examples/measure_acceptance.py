@@ -25,10 +25,9 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specfit_hf.cli import load_pair
 from specfit_hf.data import default_model_paths, load_prompts
-from specfit_hf.eagle3 import Eagle3DraftModel
 from specfit_hf.generation import SpecFitConfig
 
 CNN_MAX_SOURCE_CHARS = 2500  # keeps CNN/DM prompts inside the 1024-token training length
@@ -49,9 +48,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = Eagle3DraftModel.from_pretrained(args.draft).eval()
+    target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")
     datasets = {
         "gsm8k": load_prompts("gsm8k", "test", n=args.n, data_dir=args.data_dir),
         "cnn_dailymail": load_prompts(

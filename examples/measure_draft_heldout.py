@@ -24,10 +24,9 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specfit_hf.cli import load_pair
 from specfit_hf.data import default_model_paths, load_prompts
-from specfit_hf.eagle3 import Eagle3DraftModel
 from specfit_hf.eagle3.train import TargetTeacher, eagle3_loss, ttt_forward
 
 
@@ -55,9 +54,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = Eagle3DraftModel.from_pretrained(args.draft).eval()
+    target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")
     draft.attach_target_embeddings(target)
     num_layers = target.config.num_hidden_layers
     teacher = TargetTeacher(target, draft.config.target_feature_indices(num_layers), draft.expert_moe_layers)

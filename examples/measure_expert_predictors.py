@@ -52,11 +52,32 @@ def sample_blocks(target, num: int, length: int, seed: int) -> torch.LongTensor:
     return out[:, :length]
 
 
-def _report(totals: dict) -> None:
+def _report(totals: dict, policy_label: str = "policy") -> None:
     print(f"\n{'predictor':<16} {'recall':>7} {'precision':>9}   (per-layer union over verified blocks, micro-avg)")
     for name, (hit, pred, actual) in totals.items():
         if actual:
-            print(f"{name:<16} {hit / actual:>7.3f} {hit / pred if pred else float('nan'):>9.3f}")
+            label = policy_label if name == "policy" else name
+            print(f"{label:<16} {hit / actual:>7.3f} {hit / pred if pred else float('nan'):>9.3f}")
+
+
+def _measure_prompt(target, draft, prompt, new_tokens: int, index: int, predictor: str, names: list,
+                    totals: dict) -> None:
+    """Generate with ``predictor`` driving specfit, check it is lossless, add each predictor's union counts."""
+    ref = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    gc = SpecFitConfig(max_new_tokens=new_tokens, do_sample=False, max_depth=4, tree_top_k=4,
+                       policy="specfit-measure", return_dict_in_generate=True,
+                       policy_kwargs={"adaptive_drafting": False, "expert_predictor": predictor,
+                                      "measure_predictors": names})
+    out = target.generate(prompt, assistant_model=draft, generation_config=gc)
+    assert torch.equal(out.sequences, ref), "specfit changed the greedy output"
+    tau = (out.sequences.shape[1] - prompt.shape[1]) / len(out.cycles)
+    print(f"prompt {index}: tau {tau:.2f}, verified/cycle {sum(c.nodes_verified for c in out.cycles) / len(out.cycles):.2f}")
+    quality = _CAPTURED[-1].quality
+    for name, counts in totals.items():
+        q = quality[name]
+        counts[0] += q.hit
+        counts[1] += q.predicted
+        counts[2] += q.actual
 
 
 def measure_trained_target(args) -> None:
@@ -81,20 +102,7 @@ def measure_trained_target(args) -> None:
     totals = {name: [0, 0, 0] for name in names}
     for i, row in enumerate(load_prompts("gsm8k", n=args.prompts)):
         ids = tok(row["prompt"], return_tensors="pt").input_ids
-        ref = target.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
-        gc = SpecFitConfig(max_new_tokens=args.new_tokens, do_sample=False, max_depth=4, tree_top_k=4,
-                           policy="specfit-measure", return_dict_in_generate=True,
-                           policy_kwargs={"adaptive_drafting": False, "expert_predictor": "history+router",
-                                          "measure_predictors": names})
-        out = target.generate(ids, assistant_model=draft, generation_config=gc)
-        assert torch.equal(out.sequences, ref), "specfit changed the greedy output"
-        tau = (out.sequences.shape[1] - ids.shape[1]) / len(out.cycles)
-        print(f"prompt {i}: tau {tau:.2f}, verified/cycle {sum(c.nodes_verified for c in out.cycles) / len(out.cycles):.2f}")
-        for name in names:
-            q = _CAPTURED[-1].quality[name]
-            totals[name][0] += q.hit
-            totals[name][1] += q.predicted
-            totals[name][2] += q.actual
+        _measure_prompt(target, draft, ids, args.new_tokens, i, "history+router", names, totals)
     _report(totals)
     runtime.detach()
 
@@ -130,30 +138,12 @@ def main() -> None:
     draft.attach_target_embeddings(target)
 
     runtime = offload_experts(target, device="cpu", slots_per_layer=args.slots, link=EmulatedLink(gbps=1.0))
-    g = torch.Generator().manual_seed(args.seed + 1)
     names = ["router", "history", "history+router", "heads"]
     totals = {name: [0, 0, 0] for name in ["policy", *names]}
     for i in range(args.prompts):
         prompt = blocks[i % blocks.shape[0], :6][None]
-        ref = target.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
-        gc = SpecFitConfig(max_new_tokens=args.new_tokens, do_sample=False, max_depth=4, tree_top_k=4,
-                           policy="specfit-measure", return_dict_in_generate=True,
-                           policy_kwargs={"adaptive_drafting": False, "expert_predictor": "heads",
-                                          "measure_predictors": names})
-        out = target.generate(prompt, assistant_model=draft, generation_config=gc)
-        assert torch.equal(out.sequences, ref), "specfit changed the greedy output"
-        tau = (out.sequences.shape[1] - prompt.shape[1]) / len(out.cycles)
-        print(f"prompt {i}: tau {tau:.2f}, verified/cycle {sum(c.nodes_verified for c in out.cycles) / len(out.cycles):.2f}")
-        for name, q in _CAPTURED[-1].quality.items():
-            totals[name][0] += q.hit
-            totals[name][1] += q.predicted
-            totals[name][2] += q.actual
-    _ = g
-    print(f"\n{'predictor':<16} {'recall':>7} {'precision':>9}   (per-layer union over verified blocks, micro-avg)")
-    for name, (hit, pred, actual) in totals.items():
-        if actual:
-            label = "heads (policy)" if name == "policy" else name
-            print(f"{label:<16} {hit / actual:>7.3f} {hit / pred if pred else float('nan'):>9.3f}")
+        _measure_prompt(target, draft, prompt, args.new_tokens, i, "heads", names, totals)
+    _report(totals, policy_label="heads (policy)")
     runtime.detach()
 
 
