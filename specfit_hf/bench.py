@@ -39,7 +39,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .generation import SpecFitConfig
-from .offload import EmulatedLink, clock, get_runtime, offload_experts
+from .clock import clock
+from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
 from .selection import available_policies
 

@@ -166,7 +166,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from .bench import measure_cached_step
     from .generation import SpecFitConfig
-    from .offload import clock
+    from .clock import clock
 
     device = _device(args.device)
     target, draft, tok = load_pair(args.model, args.draft, device)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..offload.link import clock
+from ..clock import clock
 from ..tree import DraftTree, Selection, VerifyResult
 from .drafter import Drafter
 from .tree_mask import tree_attention_mask

@@ -27,7 +27,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..features import capture_hidden_states
-from ..offload.link import clock
+from ..clock import clock
 from ..selection.policy import CycleContext, get_policy
 from .cache import SpecFitCache
 from .candidates import TreeCandidateGenerator

@@ -11,7 +11,8 @@ time anything that may contain emulated transfers with ``clock()``.
 
 from .adapters import SUPPORTED_MODEL_TYPES, MoEAdapter
 from .cache import POLICIES, ExpertCache
-from .link import EmulatedLink, clock
+from ..clock import clock
+from .link import EmulatedLink
 from .runtime import OffloadRuntime, get_runtime, offload_experts
 from .stats import OffloadStats, TransferStats
 

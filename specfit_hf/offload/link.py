@@ -13,8 +13,8 @@ single copy engine serialises them.  Two ways to make the transfer take its time
 * ``virtual=False`` (default): the call really waits — sleeps most of the way, then spins
   the last stretch on ``time.perf_counter`` (accurate to a few microseconds).
 * ``virtual=True``: the call returns as soon as the copy is done and adds the rest of the
-  emulated duration to a process-wide *virtual* offset; :func:`clock` is
-  ``time.perf_counter() + offset``.  Every timer in this package reads :func:`clock`, so
+  emulated duration to the process-wide offset of :func:`specfit_hf.clock.clock`
+  (``time.perf_counter() + offset``).  Every timer in this package reads :func:`clock`, so
   measured cycle times, tokens/s and calibration see the same durations as with real
   waiting, without the machine idling through them (benchmarks run several times faster,
   and parallel benchmark processes do not disturb each other's waits).  Copies are on the
@@ -33,23 +33,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["EmulatedLink", "clock", "wait_until"]
+from ..clock import advance, clock
+
+__all__ = ["EmulatedLink", "wait_until"]
 
 # Sleeping is imprecise (scheduler granularity ~0.1-1 ms); sleep only when the wait is long
 # and leave this much to spin through.
 _SPIN_SECONDS = 1.0e-3
-
-# Seconds of emulated transfer that virtual links have added instead of waiting.
-_virtual_seconds = 0.0
-
-
-def clock() -> float:
-    """``time.perf_counter()`` plus the transfer time virtual links skipped (seconds).
-
-    Identical to ``time.perf_counter`` unless an ``EmulatedLink(virtual=True)`` is in use;
-    time every interval that may contain emulated transfers with this.
-    """
-    return time.perf_counter() + _virtual_seconds
 
 
 @dataclass(frozen=True)
@@ -87,8 +77,7 @@ class EmulatedLink:
         if not self.virtual:
             wait_until(start + duration)
             return time.perf_counter() - start
-        global _virtual_seconds
-        _virtual_seconds += max(0.0, duration - (time.perf_counter() - start))
+        advance(max(0.0, duration - (time.perf_counter() - start)))
         return max(duration, time.perf_counter() - start)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from ..offload.link import clock
+from ..clock import clock
 from .search import CostModel
 
 __all__ = ["CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape"]

@@ -1,0 +1,43 @@
+"""The package's one clock: wall time plus the time that emulation added or replaced.
+
+Every timer of the decoding cycle (draft, select, verify, whole cycle), of calibration and
+of the benchmarks reads :func:`clock`.  It is ``time.perf_counter()`` plus a process-wide
+offset that emulation moves with :func:`advance`:
+
+* an ``EmulatedLink(virtual=True)`` adds the part of a transfer's duration that it did
+  not wait through (the copy itself is real);
+* a modeled device timeline may replace the CPU's time of a piece of work by the
+  modeled time of the same work (``advance(modeled - measured)``, possibly negative).
+
+Offload, selection, generation and benchmarks all import it from here, so none of them
+depends on another stage's internals to tell the time.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["clock", "advance", "offset"]
+
+# Seconds that emulation has added to (or, when negative, taken from) perf_counter.
+_offset = 0.0
+
+
+def clock() -> float:
+    """``time.perf_counter()`` plus the emulated offset (seconds).
+
+    Identical to ``time.perf_counter`` unless emulation is in use; time every interval that
+    may contain emulated work with this.
+    """
+    return time.perf_counter() + _offset
+
+
+def advance(seconds: float) -> None:
+    """Move :func:`clock` by ``seconds`` (emulated time added, or real time replaced when negative)."""
+    global _offset
+    _offset += float(seconds)
+
+
+def offset() -> float:
+    """The total emulated offset so far (seconds)."""
+    return _offset
