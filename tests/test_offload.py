@@ -46,7 +46,9 @@ _COMMON = dict(
 )
 
 
-def make_config(arch: str):
+def make_config(arch: str, top_k: int = TOP_K):
+    """Tiny config of ``arch`` with 16 experts, ``top_k`` per token."""
+    TOP_K = top_k  # noqa: N806  (shadows the module default for the builders below)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**_COMMON, head_dim=8, moe_intermediate_size=24, num_experts=NUM_EXPERTS,
                               num_experts_per_tok=TOP_K, norm_topk_prob=True)
@@ -71,9 +73,9 @@ def make_config(arch: str):
     raise KeyError(arch)
 
 
-def build_model(arch: str, seed: int = 0) -> nn.Module:
+def build_model(arch: str, seed: int = 0, top_k: int = TOP_K) -> nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(make_config(arch, top_k), attn_implementation="eager", dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         # Zero-initialised extras would hide layout bugs: make biases and DeepSeek's score
@@ -282,6 +284,58 @@ def test_non_persistent_cache_misses_every_forward():
     finally:
         for h in handles:
             h.remove()
+        runtime.detach()
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_offloaded_is_bit_identical_when_experts_fit(arch, impl):
+    """bf16: every forward's experts fit in the slots -> logits bit-identical to the plain model,
+    although evictions put experts in slots out of id order (the runtime sums in id order).
+    ``eager`` (the experts loop) is order-sensitive; ``grouped_mm`` is the 5.23 default."""
+    # top-4: with top-2 the two terms of a token's sum commute, and order would never show.
+    model = build_model(arch, seed=2, top_k=4).to(torch.bfloat16)
+    model.config._experts_implementation = impl
+    prompt = PROMPT[:, :2]  # 2 tokens x top-4 <= 8 distinct experts: fits in 8 slots, no waves
+    gen = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(prompt, **gen)
+        ref_logits = torch.stack(ref.logits)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=8)
+    try:
+        with torch.no_grad():
+            out = model.generate(prompt, **gen)
+        assert runtime.stats.total.multi_wave_forwards == 0
+        assert runtime.stats.total.misses > 8 * len(runtime.moe_layers)  # experts were evicted
+        assert torch.equal(out.sequences, ref.sequences)
+        assert torch.equal(torch.stack(out.logits), ref_logits)  # bit-identical, not just close
+    finally:
+        runtime.detach()
+
+
+def test_waves_sum_each_wave_in_expert_order():
+    """With waves, a token whose experts share one wave is still bit-identical in bf16."""
+    model = build_model("qwen3_moe", seed=4, top_k=3).to(torch.bfloat16)
+    model.config._experts_implementation = "eager"
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 32, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(6, 3, generator=gen).to(torch.bfloat16)
+    # 6 distinct experts, 3 slots -> 2 waves ({3, 9, 12} resident first, then {1, 5, 7}); each token in one.
+    idx = torch.tensor([[12, 3, 9], [3, 9, 12], [7, 1, 5], [1, 7, 5], [12, 9, 3], [5, 7, 1]])
+    with torch.no_grad():
+        expected = experts(hidden, idx, weights)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=3)
+    try:
+        with torch.no_grad():
+            # 9, 12, 14 fill slots 0, 1, 2; then 3 replaces 14: ids 3, 9, 12 sit in slots 2, 0, 1
+            experts(hidden[:1], torch.tensor([[9, 12, 14]]), weights[:1])
+            experts(hidden[:1], torch.tensor([[3, 9, 12]]), weights[:1])
+            got = experts(hidden, idx, weights)
+        assert runtime.stats.layers[0].multi_wave_forwards == 1
+        assert torch.equal(got, expected)
+    finally:
         runtime.detach()
 
 

@@ -17,6 +17,22 @@ CUDA).  An accelerate ``ModelHook`` on each experts module intercepts the call
    processed in *waves* of at most ``num_slots`` (resident experts first), each wave on the
    token rows that use it; ``post_forward`` adds the waves' partial sums together.
 
+Summation order (exactness in bf16 / fp16).  The model's own experts forward loops over the
+experts in ascending index order and adds each one's contribution to a token in that
+order; floating-point addition is not associative, so summing in *slot* order would change
+low-order bits (visible in bf16).  The runtime therefore keeps the model's order: when the
+slots holding this forward's experts are not ascending in expert id, the experts are
+handed to the model's forward as a gathered ``[n, ...]`` view in ascending expert-id order
+(one device-side gather of the ``n`` experts, only for such forwards).  What holds:
+
+* a forward whose distinct experts fit in the slots (single wave), computed by the model's
+  own experts forward: bit-identical to the un-offloaded model, in every dtype;
+* a forward that needs waves: each wave sums its experts in ascending id order, and the
+  waves' partial sums are added afterwards, so a token whose experts all fall in one wave
+  is bit-identical and a token whose experts span waves is the same sum re-associated
+  (equal up to rounding: ~1e-7 relative in fp32, ~1e-2 in bf16);
+* the fused kernel (``use_fused_kernel``) has its own accumulation: equal up to rounding.
+
 Transfers: on CUDA, copies from pinned host memory on a dedicated copy stream, ordered after
 the compute already queued (an evicted slot may still be read) and before the compute that
 needs them, via an event.  Evicted experts are never copied back (host has the master copy).
@@ -83,6 +99,9 @@ class _MoELayer:
         self.fused_experts: Optional[Callable] = None
         self.fused_kwargs: dict = {}
         self.last_routing: Optional[torch.Tensor] = None
+        # Slots of this call's experts in ascending expert id when they are not already in that
+        # order (the ids passed to the compute are then ranks into this gather), else None.
+        self.gather: Optional[torch.Tensor] = None
         # Set by a multi-wave pre_forward for post_forward: (partial output [T, H], rows of the last wave).
         self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -93,10 +112,32 @@ def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Ten
 
     The single place where the fused kernel is wired in; everything else is residency.
     """
+    gather, layer.gather = layer.gather, None
     if layer.fused_experts is not None:
+        if gather is not None:
+            slot_ids = gather[slot_ids]  # ranks -> slots: the kernel's order is its own anyway
         return layer.fused_experts(hidden, layer.slots["gate_up_proj"], layer.slots["down_proj"], slot_ids, weights,
                                    **layer.fused_kwargs)
-    return layer.torch_forward(hidden, slot_ids, weights)
+    if gather is None:
+        return layer.torch_forward(hidden, slot_ids, weights)
+    # The model's forward reads experts.<param>: point them at the experts in id order.
+    experts = layer.experts
+    params = {name: experts._parameters[name] for name in layer.param_names}
+    num_slots = experts.num_experts
+    try:
+        for name, param in params.items():
+            param.data = layer.slots[name].index_select(0, gather)
+        experts.num_experts = int(gather.numel())  # grouped / batched implementations count experts
+        return layer.torch_forward(hidden, slot_ids, weights)
+    finally:
+        experts.num_experts = num_slots
+        for name, param in params.items():
+            param.data = layer.slots[name]
+
+
+def _in_id_order(slots: np.ndarray) -> bool:
+    """True when slots listed in ascending expert id are themselves ascending."""
+    return bool(np.all(slots[1:] > slots[:-1]))
 
 
 def _split_experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,6 +340,7 @@ class OffloadRuntime:
         if not self.persistent and layer is self._first_layer:
             self.flush()
         layer.last_routing = top_k_index
+        layer.gather = None
         self._tick += 1
         tick = self._tick
         cache = layer.cache
@@ -320,6 +362,11 @@ class OffloadRuntime:
             self._count(layer, num_needed - len(load_experts), len(load_experts))
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
+            if not _in_id_order(slots):
+                # Ranks in ascending expert id, and the slots to gather in that order.
+                layer.gather = torch.from_numpy(slots).to(hidden.device, non_blocking=True)
+                ranks = torch.from_numpy(np.searchsorted(needed, ids)) if on_cpu else inverse
+                return hidden, ranks, top_k_weights
             if on_cpu:
                 return hidden, torch.from_numpy(cache.slot_of[ids]), top_k_weights
             slot_map = torch.from_numpy(slots).to(inverse.device, non_blocking=True)
@@ -337,10 +384,14 @@ class OffloadRuntime:
         partial = torch.zeros_like(hidden)
         waves = [order[i:i + cache.num_slots] for i in range(0, num_needed, cache.num_slots)]
         for wave_no, positions in enumerate(waves):
+            positions = np.sort(positions)  # ascending expert id inside the wave
             slots, load_experts, load_slots = cache.assign(needed[positions], tick)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
-            # Per distinct expert (position in needed): its slot if in this wave, else -1.
+            if not _in_id_order(slots):
+                layer.gather = torch.from_numpy(slots).to(hidden.device, non_blocking=True)
+                slots = np.arange(len(slots))  # ranks into the gather
+            # Per distinct expert (position in needed): its slot (or rank) if in this wave, else -1.
             wave_slot = np.full(num_needed, -1, dtype=np.int64)
             wave_slot[positions] = slots
             pair_slot = torch.from_numpy(wave_slot).to(inverse.device)[inverse]  # [T, k]
