@@ -518,6 +518,37 @@ def test_bad_inputs_raise_and_change_nothing():
         assert torch.equal(model(PROMPT).logits, ref)
 
 
+@pytest.mark.parametrize("arch, fmt", [("deepseek_v3", "native FP8"), ("gpt_oss", "MXFP4")])
+def test_quantized_experts_are_refused_by_name(arch, fmt):
+    """transformers' own FP8 / MXFP4 experts modules: a clear error naming the format, nothing changed."""
+    if arch == "deepseek_v3":
+        from transformers.integrations.finegrained_fp8 import FP8Experts as Quantized
+
+        make = lambda cfg: Quantized(cfg, block_size=(16, 16))  # noqa: E731
+    else:
+        from transformers.integrations.mxfp4 import Mxfp4GptOssExperts as Quantized
+
+        make = Quantized
+    model = build_model(arch)
+    layer = model.model.layers[-1].mlp
+    layer.experts = make(model.config)
+    before = {n: (p, p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=fmt) as err:
+        offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+    assert "dequantize" in str(err.value)
+    assert get_runtime(model) is None
+    after = {n: (p, p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+    assert before.keys() == after.keys()
+    assert all(before[n][0] is after[n][0] and before[n][1:] == after[n][1:] for n in before)
+
+
+def test_quantization_config_is_refused():
+    model = build_model("qwen3_moe")
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+
+
 def test_failure_midway_is_rolled_back(monkeypatch):
     import specfit_hf.offload.runtime as runtime_module
 

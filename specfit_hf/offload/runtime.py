@@ -59,7 +59,7 @@ from .cache import POLICIES, ExpertCache
 from .link import EmulatedLink
 from .stats import OffloadStats, TransferStats
 
-__all__ = ["OffloadRuntime", "offload_experts", "get_runtime"]
+__all__ = ["OffloadRuntime", "offload_experts", "get_runtime", "quantized_expert_format"]
 
 _RUNTIME_ATTR = "_specfit_offload_runtime"
 
@@ -475,6 +475,35 @@ def _model_device(model: nn.Module) -> torch.device:
     return device
 
 
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                        "float8_e8m0fnu") if hasattr(torch, n)}
+
+
+def quantized_expert_format(experts: nn.Module, config=None) -> Optional[str]:
+    """The quantized format of an experts module, or None for plain floating-point experts.
+
+    The runtime remaps expert ids to slot ids and moves only the per-expert parameters it
+    knows; the scale tensors of quantized formats are indexed by expert id as well, so they
+    would be read at the wrong index.  Recognised: native FP8 (``FP8Experts``, DeepSeek-V3
+    checkpoints: ``*_scale_inv`` block scales per expert), MXFP4 (``Mxfp4GptOssExperts``,
+    gpt-oss: packed ``uint8`` blocks with ``*_scales``), and any ``config.quantization_config``.
+    """
+    names = {n for n, _ in experts.named_parameters(recurse=False)} | {n for n, _ in experts.named_buffers(recurse=False)}
+    dtypes = {t.dtype for t in list(experts.parameters(recurse=False)) + list(experts.buffers(recurse=False))}
+    kind = type(experts).__name__.lower()
+    if "fp8" in kind or any(n.endswith("_scale_inv") for n in names) or dtypes & _FLOAT8:
+        return "native FP8 (block-scaled *_scale_inv experts, e.g. DeepSeek-V3)"
+    if "mxfp4" in kind or any(n.endswith(("_blocks", "_scales")) for n in names) or torch.uint8 in dtypes:
+        return "MXFP4 (packed uint8 blocks + *_scales experts, e.g. gpt-oss)"
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if getattr(quant, "dequantize", False) or (isinstance(quant, dict) and quant.get("dequantize")):
+            return None
+        return f"quantized ({getattr(method, 'value', method)!s})"
+    return None
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
@@ -562,6 +591,14 @@ def offload_experts(
     for idx, _, experts, router in found:
         if getattr(experts, "_hf_hook", None) is not None:
             raise ValueError(f"layer {idx} experts already carry an accelerate hook (device_map dispatch?)")
+        fmt = quantized_expert_format(experts, model.config)
+        if fmt is not None:
+            raise ValueError(
+                f"offload_experts does not support {fmt} experts (layer {idx}, {type(experts).__name__}): their "
+                "scales are indexed by expert id and would not follow the slots. Load the model dequantized "
+                "(e.g. quantization_config=FineGrainedFP8Config(dequantize=True) / Mxfp4Config(dequantize=True)) "
+                "or in bf16"
+            )
         for name in adapter.expert_params:
             param = getattr(experts, name, None)
             if not isinstance(param, nn.Parameter) or param.shape[0] != num_experts:
