@@ -542,6 +542,26 @@ def test_quantized_experts_are_refused_by_name(arch, fmt):
     assert all(before[n][0] is after[n][0] and before[n][1:] == after[n][1:] for n in before)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_save_pretrained_of_offloaded_model_saves_full_experts(arch, tmp_path):
+    """save_pretrained on an offloaded model writes the full experts: the checkpoint reloads and equals the original."""
+    model = build_model(arch)
+    with torch.no_grad():
+        expected = model(PROMPT).logits
+    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+    try:
+        with torch.no_grad():
+            model(PROMPT)  # fill the slots with something
+        state = model.state_dict()
+        assert all(t.shape[0] == NUM_EXPERTS for n, t in state.items() if n.endswith(("gate_up_proj", "down_proj")))
+        model.save_pretrained(tmp_path)
+    finally:
+        runtime.detach()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(PROMPT).logits, expected)
+
+
 def test_quantization_config_is_refused():
     model = build_model("qwen3_moe")
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}

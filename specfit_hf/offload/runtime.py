@@ -104,6 +104,7 @@ class _MoELayer:
         self.gather: Optional[torch.Tensor] = None
         # Set by a multi-wave pre_forward for post_forward: (partial output [T, H], rows of the last wave).
         self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.state_dict_hook = None  # handle of the hook that puts the full experts in state_dict()
 
 
 def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Tensor,
@@ -133,6 +134,18 @@ def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Ten
         experts.num_experts = num_slots
         for name, param in params.items():
             param.data = layer.slots[name]
+
+
+def _full_experts_state(layer: _MoELayer, module: nn.Module, state_dict: dict, prefix: str,
+                        local_metadata: dict) -> None:
+    """``state_dict`` post-hook: the experts' entries are the full host weights, not the slots.
+
+    So ``model.state_dict()`` and ``save_pretrained`` on an offloaded model write a checkpoint
+    that reloads as the original model (the slot cache is runtime state, never saved).
+    """
+    for name in layer.param_names:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = layer.host[name]
 
 
 def _in_id_order(slots: np.ndarray) -> bool:
@@ -521,6 +534,9 @@ def _restore(model: nn.Module, layers: list[_MoELayer], original_device: torch.d
     """Put back what ``offload_experts`` changed (works on a partly applied offload too)."""
     for layer in layers:
         experts = layer.experts
+        if layer.state_dict_hook is not None:
+            layer.state_dict_hook.remove()
+            layer.state_dict_hook = None
         if getattr(experts, "_hf_hook", None) is not None and isinstance(experts._hf_hook, _OffloadHook):
             remove_hook_from_module(experts)
             if not layer.had_instance_forward:
@@ -564,7 +580,8 @@ def offload_experts(
             own experts forward; True: require it (any device).
 
     Returns the ``OffloadRuntime`` (also ``get_runtime(model)``); ``runtime.detach()`` undoes
-    everything.  Raises ``ValueError`` for unsupported models or bad arguments, before
+    everything.  ``model.state_dict()`` / ``save_pretrained`` keep giving the full expert
+    weights (from host memory), never the slot cache.  Raises ``ValueError`` for unsupported models or bad arguments, before
     anything is changed.
     """
     # ---- validate everything first: nothing is touched until all checks pass
@@ -673,6 +690,9 @@ def offload_experts(
                                  expert_bytes, original_device)
         for layer in layers:
             add_hook_to_module(layer.experts, _OffloadHook(runtime, layer))
+            layer.state_dict_hook = layer.experts.register_state_dict_post_hook(
+                functools.partial(_full_experts_state, layer)
+            )
         setattr(model, _RUNTIME_ATTR, runtime)
     except BaseException:
         _restore(model, layers, original_device, target)
