@@ -26,6 +26,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from specfit_hf.offload.pinning import PAGE_SIZE, pinned_bytes, pinning_plan
 from specfit_hf.offload import (
     SUPPORTED_MODEL_TYPES,
     EmulatedLink,
@@ -619,6 +620,9 @@ def test_cuda_copy_stream_path(arch, fused):
     try:
         host = runtime._layers[runtime.moe_layers[0]].host["gate_up_proj"]
         assert host.device.type == "cpu" and host.is_pinned()
+        # page-locked in place / exact size: never the power-of-two rounding of pin_memory()
+        sizes = [t.numel() * t.element_size() for layer in runtime._layers.values() for t in layer.host.values()]
+        assert sum(sizes) <= runtime.pinned_bytes <= pinned_bytes(sizes, "register", offset=PAGE_SIZE - 1)
         with torch.no_grad():
             got = model(prompt).logits
         # the Triton kernel may use TF32 / other accumulation orders
@@ -631,6 +635,29 @@ def test_cuda_copy_stream_path(arch, fused):
     finally:
         runtime.detach()
     assert model.model.embed_tokens.weight.device.type == "cpu"
+
+
+def test_pinned_bytes_are_page_rounded_not_power_of_two():
+    assert pinned_bytes([4096], "register", page=4096, offset=0) == 4096
+    assert pinned_bytes([4096], "register", page=4096, offset=64) == 8192  # spans two pages
+    assert pinned_bytes([5000, 1], "register", page=4096, offset=0) == 8192 + 4096
+    assert pinned_bytes([5000, 1], "pin_memory") == 8192 + 1
+    with pytest.raises(ValueError, match="method"):
+        pinned_bytes([1], "mmap")
+
+
+def test_pinning_plan_of_qwen3_30b_a3b_fits_its_expert_bytes():
+    """The real Qwen3-30B-A3B shapes (meta device, no memory): ~1.0 bytes pinned per expert byte, was ~1.27."""
+    cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         num_experts=128, num_experts_per_tok=8, dtype="bfloat16")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    plan = pinning_plan(model)
+    assert plan.expert_bytes == 48 * 128 * 3 * 2048 * 768 * 2  # 57.98 GB
+    assert 1.0 <= plan.pinned_per_expert_byte < 1.0001
+    assert plan.pin_memory_bytes == 48 * (2**30 + 2**29)  # 1 GiB + 512 MiB per layer: 77.3 GB
+    assert plan.pin_memory_per_expert_byte == pytest.approx(4 / 3)  # the issue's 77 GB for 58 GB
 
 
 def _greedy_on(model, prompt):
