@@ -292,6 +292,16 @@ def test_padded_draft_vocab_is_accepted_for_specfit(targets):
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
 
 
+def test_smaller_draft_vocab_is_a_clear_error(targets):
+    """A generic draft with fewer tokens than the target: ValueError before drafting, not an IndexError in torch."""
+    target = targets["llama"]
+    draft = tiny_llama(15, layers=1, vocab=VOCAB // 2)
+    ids = torch.tensor([[VOCAB - 1, 3, 5]])  # a token the draft cannot embed
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=4, do_sample=False, max_depth=2, tree_top_k=2, max_verify_nodes=4)
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(32 tokens\) is smaller than the target's \(64\)"):
+        target.generate(ids, assistant_model=draft, generation_config=cfg)
+
+
 def test_config_defaults_and_round_trip(tmp_path):
     cfg = SpecFitConfig()
     assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "specfit")
