@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specfit_hf.eagle3 import DraftKVCache, Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter
-from specfit_hf.eagle3.testing import HIDDEN, VOCAB, tiny_draft, tiny_target
+from specfit_hf.testing import HIDDEN, VOCAB, aligned_eagle3_draft, tiny_draft, tiny_draft_config, tiny_target
 from specfit_hf.features import capture_hidden_states
 from specfit_hf.tree import DraftTree, VerifyResult
 
@@ -334,12 +334,6 @@ def test_layer_id_conventions_pick_the_same_layers(tmp_path, target):
         tiny_draft_config(eagle_config={"aux_hidden_state_id_convention": "vllm"})
     with pytest.raises(ValueError, match="outside"):
         hf.target_feature_indices(4)
-
-
-def tiny_draft_config(**kw) -> Eagle3Config:
-    from specfit_hf.eagle3.testing import tiny_draft_config as make
-
-    return make(**kw)
 
 
 def test_vocab_mapping():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -11,10 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import (
     GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -22,31 +17,12 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 from specfit_hf.generation import CycleRecord, SpecFitCache, SpecFitConfig, hf_integration
-
-VOCAB = 64
+from specfit_hf.testing import GEN_VOCAB as VOCAB
+from specfit_hf.testing import noisy_copy, tiny_llama, tiny_qwen3_moe  # noqa: F401  (other tests import them here)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
-
-def tiny_qwen3_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3MoeForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    return Qwen3MoeForCausalLM(cfg).eval()
-
-
-def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB, hidden: int = 32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 _SHARED_MODELS: dict = {}
@@ -67,16 +43,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def noisy_copy(model, scale: float = 0.3, seed: int = 1):
-    """A draft sharing the target's weights up to noise: accepts long paths, but not always."""
-    torch.manual_seed(seed)
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * p.std() * torch.randn_like(p))
-    return draft
 
 
 def prompts(n: int, seed: int = 0, vocab: int = VOCAB) -> list[torch.Tensor]:

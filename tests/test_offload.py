@@ -13,20 +13,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    DeepseekV3Config,
-    GptOssConfig,
-    MixtralConfig,
-    OlmoeConfig,
-    PhimoeConfig,
-    Qwen2MoeConfig,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from transformers import AutoModelForCausalLM, PhimoeConfig, Qwen3Config, Qwen3MoeConfig
 
-from specfit_hf.offload.pinning import PAGE_SIZE, pinned_bytes, pinning_plan
 from specfit_hf.offload import (
     SUPPORTED_MODEL_TYPES,
     EmulatedLink,
@@ -35,63 +23,19 @@ from specfit_hf.offload import (
     get_runtime,
     offload_experts,
 )
+from specfit_hf.offload.pinning import PAGE_SIZE, pinned_bytes, pinning_plan
+from specfit_hf.testing import MOE_COMMON_KWARGS as _COMMON  # noqa: N811
+from specfit_hf.testing import MOE_ARCHS, MOE_EXPERTS, MOE_TOP_K, MOE_VOCAB, build_moe, moe_config
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*")
 
-NUM_EXPERTS = 16
-TOP_K = 2
-VOCAB = 96
-_COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-)
-
-
-def make_config(arch: str, top_k: int = TOP_K):
-    """Tiny config of ``arch`` with 16 experts, ``top_k`` per token."""
-    TOP_K = top_k  # noqa: N806  (shadows the module default for the builders below)
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**_COMMON, head_dim=8, moe_intermediate_size=24, num_experts=NUM_EXPERTS,
-                              num_experts_per_tok=TOP_K, norm_topk_prob=True)
-    if arch == "qwen2_moe":
-        return Qwen2MoeConfig(**_COMMON, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                              num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
-    if arch == "mixtral":
-        return MixtralConfig(**{**_COMMON, "intermediate_size": 24}, num_local_experts=NUM_EXPERTS,
-                             num_experts_per_tok=TOP_K)
-    if arch == "olmoe":
-        return OlmoeConfig(**{**_COMMON, "intermediate_size": 24}, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
-    if arch == "deepseek_v3":
-        return DeepseekV3Config(
-            **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=24,
-            n_routed_experts=NUM_EXPERTS, n_group=4, topk_group=2, num_experts_per_tok=TOP_K, first_k_dense_replace=1,
-            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )
-    if arch == "gpt_oss":
-        return GptOssConfig(**{**_COMMON, "intermediate_size": 24}, head_dim=8, num_local_experts=NUM_EXPERTS,
-                            num_experts_per_tok=TOP_K, sliding_window=8)
-    raise KeyError(arch)
-
-
-def build_model(arch: str, seed: int = 0, top_k: int = TOP_K) -> nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(arch, top_k), attn_implementation="eager", dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        # Zero-initialised extras would hide layout bugs: make biases and DeepSeek's score
-        # correction bias random, and routers sharper so routing is decisive.
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith(("_proj_bias", "router.bias")):
-                tensor.normal_(0, 0.05)
-            elif name.endswith("e_score_correction_bias"):
-                tensor.uniform_(0, 0.2)
-            elif name.endswith(("gate.weight", "router.weight")) and tensor.dim() == 2 and tensor.shape[0] == NUM_EXPERTS:
-                tensor.normal_(0, 0.5)
-    return model
-
-
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
+# The builders live in specfit_hf.testing (one home for the tiny models); the names stay.
+NUM_EXPERTS = MOE_EXPERTS
+TOP_K = MOE_TOP_K
+VOCAB = MOE_VOCAB
+make_config = moe_config
+build_model = build_moe
+ARCHS = MOE_ARCHS
 PROMPT = torch.tensor([[5, 17, 33, 2, 71, 9, 40, 12, 88, 3]])
 NEW_TOKENS = 32
 

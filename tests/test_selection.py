@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from types import SimpleNamespace
 
@@ -27,6 +26,8 @@ from specfit_hf.selection import (
     register_policy,
 )
 from specfit_hf.selection.acceptance import acceptance_outcomes
+from specfit_hf.testing import noisy_copy as _noisy_copy
+from specfit_hf.testing import tiny_qwen3_moe
 from specfit_hf.tree import DraftTree, Selection, VerifyResult
 
 
@@ -225,27 +226,7 @@ def test_oracle_needs_a_probe_and_uses_the_truth():
 
 # ---------------------------------------------------------------- generation
 def _tiny_moe(seed=0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaked next-token distributions, as a trained model's
-    return model
-
-
-def _noisy_copy(model, scale=0.3, seed=1):
-    torch.manual_seed(seed)
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * p.std() * torch.randn_like(p))
-    return draft
+    return tiny_qwen3_moe(seed, peak=8.0)  # peaked next-token distributions, as a trained model's
 
 
 _CAPTURED: list[SpecFitPolicy] = []
@@ -338,7 +319,7 @@ def test_calibrate_runs_on_a_real_offloaded_model(offloaded_pair):
 def test_specfit_with_eagle3_expert_heads_is_lossless():
     """The draft's learned heads (untrained here) feed the policy: mechanics and losslessness."""
     from specfit_hf import EmulatedLink, offload_experts
-    from specfit_hf.eagle3.testing import tiny_draft, tiny_target
+    from specfit_hf.testing import tiny_draft, tiny_target
     from specfit_hf.generation import SpecFitConfig
 
     target = tiny_target(num_layers=4)
