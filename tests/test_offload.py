@@ -284,6 +284,34 @@ def test_waves_sum_each_wave_in_expert_order():
         runtime.detach()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_speculation_with_offload_is_greedy_identical(arch, dtype):
+    """Every architecture: greedy through the draft tree with experts offloaded equals the plain
+    model's own generate (fp32 and bf16), and draft tokens are accepted.  gpt-oss's window (8) is
+    shorter than prompt + generated tokens (28)."""
+    from specfit_hf.generation import SpecFitConfig
+    from specfit_hf.testing import noisy_copy
+
+    plain = build_model(arch, seed=3).to(dtype)
+    ref = plain.generate(PROMPT, max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    draft = noisy_copy(plain, scale=0.1, seed=5)
+    target = build_model(arch, seed=3).to(dtype)
+    if dtype == torch.bfloat16:
+        target.config._experts_implementation = plain.config._experts_implementation = "eager"
+        ref = plain.generate(PROMPT, max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=8)
+    try:
+        cfg = SpecFitConfig(policy="eagle3", max_new_tokens=18, min_new_tokens=18, do_sample=False, max_depth=4,
+                            tree_top_k=2, max_verify_nodes=6, return_dict_in_generate=True)
+        out = target.generate(PROMPT, assistant_model=draft, generation_config=cfg)
+        assert runtime.stats.total.misses > 0
+    finally:
+        runtime.detach()
+    assert torch.equal(out.sequences, ref)
+    assert sum(c.tokens_accepted for c in out.cycles) > 0
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_experts_module_waves_and_shared_experts(arch):
     """Direct experts calls: many tokens on one expert; more distinct experts than slots."""
