@@ -205,6 +205,15 @@ def _check_loads_like_reference(folder, sd, cfg, target, indices):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(draft.draft_to_target(torch.arange(40)), torch.nonzero(sd["t2d"]).reshape(-1))
     assert torch.equal(draft.t2d, sd["t2d"])
+    # and it drafts for generate: greedy-identical to the target alone
+    from specfit_hf.generation import SpecFitConfig
+
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    cfg = SpecFitConfig(max_new_tokens=10, do_sample=False, policy="eagle3", max_depth=3, tree_top_k=3,
+                        max_verify_nodes=6, return_dict_in_generate=True)
+    out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
+    assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=10, do_sample=False))
+    assert sum(c.nodes_verified for c in out.cycles) > 0
     return draft
 
 
