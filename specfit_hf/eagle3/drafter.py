@@ -31,15 +31,19 @@ for the next level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..features import decoder_layers
 from ..generation.drafter import Drafter
+from ..generation.tree_mask import grow_ancestors
 from ..tree import DraftTree, VerifyResult
-from .modeling import DraftKVCache, Eagle3DraftModel, causal_mask
+from .kv import DraftKVCache, causal_mask
+
+if TYPE_CHECKING:
+    from .modeling import Eagle3DraftModel
 
 __all__ = ["Eagle3TreeDrafter"]
 
@@ -180,15 +184,8 @@ class Eagle3TreeDrafter(Drafter):
             raise RuntimeError("draft cache and tree are out of step")
         tokens = self.model.draft_to_target(draft_ids.to(self.device)).cpu()
         # ancestor-or-self relation among tree nodes, grown by one block per level
-        anc = torch.zeros(m, n0 + m, dtype=torch.bool)
+        anc, self._ancestors = grow_ancestors(self._ancestors, parents)
         has_parent = parents >= 0
-        if n0:
-            anc[has_parent, :n0] = self._ancestors[parents[has_parent]]
-        anc[torch.arange(m), n0 + torch.arange(m)] = True
-        grown = torch.zeros(n0 + m, n0 + m, dtype=torch.bool)
-        grown[:n0, :n0] = self._ancestors
-        grown[n0:] = anc
-        self._ancestors = grown
 
         mask = torch.full((m, self._stable_len + n0 + m), torch.finfo(self.dtype).min, dtype=self.dtype)
         mask[:, : self._stable_len] = 0
@@ -252,19 +249,3 @@ class Eagle3TreeDrafter(Drafter):
         if tree.hidden is not None:
             hidden = torch.cat([hidden, tree.hidden.to(hidden)])
         return self.model.predict_experts(hidden).cpu()
-
-    def make_state_snapshot(self) -> Any:
-        st = self._state
-        feats = None if st.pending_features is None else st.pending_features.clone()
-        return _DrafterState(st.cache.clone(), st.pending_tokens.clone(), feats, st.next_position, st.expected_root)
-
-    def restore_state_snapshot(self, snapshot: Any) -> None:
-        """Return to a state taken by :meth:`make_state_snapshot` (between cycles)."""
-        self._state = _DrafterState(
-            snapshot.cache.clone(),
-            snapshot.pending_tokens.clone(),
-            None if snapshot.pending_features is None else snapshot.pending_features.clone(),
-            snapshot.next_position,
-            snapshot.expected_root,
-        )
-        self._tree = None

@@ -29,7 +29,7 @@ import torch
 from ..tree import DraftTree, VerifyResult
 from .cache import SpecFitCache
 from .drafter import Drafter
-from .tree_mask import visibility_to_mask
+from .tree_mask import grow_ancestors, visibility_to_mask
 
 __all__ = ["CausalLMTreeDrafter"]
 
@@ -150,13 +150,12 @@ class CausalLMTreeDrafter(Drafter):
             raise RuntimeError("draft tree invariant broken: an expanded node's parent was never run")
         region_len = self._region_anc.shape[0]
         # A frontier node sees its parent's ancestors and itself (rows built incrementally).
-        new_rows = torch.cat([self._region_anc[parent_region], torch.eye(k_front, dtype=torch.bool)], dim=1)
+        new_rows, region_anc = grow_ancestors(self._region_anc, parent_region)
         mask = visibility_to_mask(new_rows.to(self.device), self._committed_len, dtype=self.mask_dtype)
         positions = self._committed_len + tree.depths[frontier]
         logits, hidden = self._forward(tree.tokens[frontier], positions, mask, k_front)
 
-        pad = torch.zeros(region_len, k_front, dtype=torch.bool)
-        self._region_anc = torch.cat([torch.cat([self._region_anc, pad], dim=1), new_rows], dim=0)
+        self._region_anc = region_anc
         self._node_region[frontier] = region_len + torch.arange(k_front)
         if tree.hidden is not None:
             # These nodes have now been run: store their own state (see module docstring).

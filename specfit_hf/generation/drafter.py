@@ -18,8 +18,8 @@ need no target features leave ``target_feature_indices`` as ``None`` and get ``N
 Draft models plug in through ``assistant_model.make_tree_drafter(target, config)``
 when they define it (the EAGLE-3 draft does); any other causal LM sharing the
 target's tokenizer gets the generic top-k tree drafter
-(:class:`specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`).  :func:`make_drafter`
-applies that rule.
+(:class:`specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`).
+:func:`specfit_hf.generation.candidates.make_drafter` applies that rule.
 
 ``config`` is the :class:`~specfit_hf.generation.config.SpecFitConfig` of the call; the
 tree's branching factor is ``config.tree_top_k`` (``config.top_k`` is the *sampling*
@@ -33,13 +33,12 @@ the target produced last (at prefill, or the previous cycle's bonus token).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
 from ..tree import DraftTree, VerifyResult
 
-__all__ = ["Drafter", "make_drafter"]
+__all__ = ["Drafter"]
 
 
 class Drafter(ABC):
@@ -67,24 +66,3 @@ class Drafter(ABC):
         ``target_features`` covers the root and the accepted nodes, in path order.
         The next cycle's root is ``result.bonus_token``.
         """
-
-    def make_state_snapshot(self) -> Any:  # pragma: no cover - optional, used by the oracle policy
-        """Optional: an opaque snapshot the oracle policy can restore to re-run a cycle."""
-        raise NotImplementedError
-
-
-def make_drafter(assistant_model: Any, target: Any, config: Any) -> Drafter:
-    """The drafter for ``assistant_model``: its own ``make_tree_drafter`` if it has one,
-    else the generic :class:`~specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`."""
-    factory = getattr(assistant_model, "make_tree_drafter", None)
-    if callable(factory):
-        drafter = factory(target, config)
-        if not isinstance(drafter, Drafter):
-            raise TypeError(
-                f"{type(assistant_model).__name__}.make_tree_drafter returned {type(drafter).__name__}, "
-                "which does not implement specfit_hf.generation.drafter.Drafter"
-            )
-        return drafter
-    from .causal_lm_drafter import CausalLMTreeDrafter
-
-    return CausalLMTreeDrafter(assistant_model, target, config)

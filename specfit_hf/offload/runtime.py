@@ -42,6 +42,7 @@ from .adapters import MoEAdapter, adapter_for
 from .cache import POLICIES, ExpertCache
 from .link import EmulatedLink
 from .stats import OffloadStats, TransferStats
+from .view import ExpertCacheView
 
 __all__ = ["OffloadRuntime", "offload_experts", "get_runtime"]
 
@@ -182,6 +183,7 @@ class OffloadRuntime:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_events: list[tuple[TransferStats, torch.cuda.Event, torch.cuda.Event]] = []
         self._attached = True
+        self._view: ExpertCacheView | None = None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -214,6 +216,15 @@ class OffloadRuntime:
     def last_routing(self, layer_idx: int) -> Optional[torch.Tensor]:
         """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
         return self._layer(layer_idx).last_routing
+
+    def view(self) -> ExpertCacheView:
+        """The read-only view for planners (the selection stage): residency, routing, routers.
+
+        One view per runtime, so what planners learn about this cache can be keyed by it.
+        """
+        if self._view is None:
+            self._view = ExpertCacheView(self)
+        return self._view
 
     @torch.no_grad()
     def route(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,25 +16,16 @@ its token.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+from scipy.optimize import isotonic_regression
 
 from ..tree import DraftTree, Selection, VerifyResult
 
-__all__ = ["AcceptanceCalibrator", "path_acceptance", "acceptance_outcomes", "sibling_ranks"]
-
-
-def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted non-decreasing least-squares fit (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for v, w in zip(values.tolist(), weights.tolist()):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            wt = w1 + w2
-            blocks.append([(m1 * w1 + m2 * w2) / wt, wt, n1 + n2])
-    return np.concatenate([np.full(n, m) for m, _, n in blocks])
+__all__ = ["AcceptanceCalibrator", "AcceptanceModel", "path_acceptance", "acceptance_outcomes", "sibling_ranks"]
 
 
 class AcceptanceCalibrator:
@@ -106,7 +97,7 @@ class AcceptanceCalibrator:
         prior = self._group_prior()
         w = self.trials + self.prior_weight
         rate = (self.accepted + self.prior_weight * prior) / w
-        self._table = np.stack([_isotonic(rate[i], w[i]) for i in range(self.groups)])
+        self._table = np.stack([isotonic_regression(rate[i], weights=w[i]).x for i in range(self.groups)])
 
     def _group_prior(self) -> np.ndarray:
         """``[groups, bins]`` prior of each bin: the identity shifted in logit space per group.
@@ -197,3 +188,61 @@ def acceptance_outcomes(
     observed = np.array([p < 0 or int(p) in accepted_set for p in parents], dtype=bool)
     seen = nodes[observed].astype(np.int64)
     return seen, np.array([int(v) in accepted_set for v in seen], dtype=bool)
+
+
+_CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred tokens
+
+# draft model -> {calibrator settings: model}; acceptance is a property of the pair, so
+# the estimates carry over from one generate call to the next with the same draft
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class AcceptanceModel:
+    """What a policy has learnt about the draft's acceptance (shared across ``generate`` calls).
+
+    ``calibrator``: per-node acceptance from draft confidence.  ``child_accepted`` /
+    ``child_trials``: decayed counts of "the most confident child of an observed parent
+    (or of the root) was accepted" -- the acceptance the stop rule's look-ahead assumes
+    for the not yet drafted next level (prior 1 of 2).
+    """
+
+    calibrator: AcceptanceCalibrator
+    child_accepted: float = 1.0
+    child_trials: float = 2.0
+
+    @classmethod
+    def for_draft(cls, draft: object, settings: dict, share: bool) -> AcceptanceModel:
+        """The model learnt so far for ``draft`` with these calibrator ``settings`` (new if none or not shared)."""
+        fresh = cls(AcceptanceCalibrator(**settings))
+        if not share or draft is None:
+            return fresh
+        try:
+            per_draft = _SHARED.setdefault(draft, {})
+        except TypeError:  # not weak-referenceable: keep this call's own estimates
+            return fresh
+        return per_draft.setdefault(repr(sorted(settings.items())), fresh)
+
+    def child_acceptance(self) -> float:
+        """Learnt acceptance of a parent's most confident child."""
+        return self.child_accepted / self.child_trials
+
+    def path(self, tree: DraftTree) -> np.ndarray:
+        """``[N]`` estimated probability that the whole path root -> v is accepted."""
+        return path_acceptance(tree, self.calibrator(tree.draft_probs, tree.depths, sibling_ranks(tree)))
+
+    def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, greedy: bool) -> None:
+        """Learn from a verified cycle (greedy: unverified nodes count too, see :func:`acceptance_outcomes`)."""
+        seen, accepted = acceptance_outcomes(tree, selection, result, include_unverified=greedy)
+        if not seen.size:
+            return
+        probs = tree.draft_probs.numpy()[seen]
+        depths = tree.depths.numpy()[seen]
+        self.calibrator.update(probs, accepted, depths, sibling_ranks(tree)[seen])
+        parents = tree.parents.numpy()[seen]
+        deep = depths >= 1  # depth-1 outcomes too: a chain that stops at level 1 must still learn
+        for parent in np.unique(parents[deep]):
+            among = np.nonzero(deep & (parents == parent))[0]
+            best = among[np.argmax(probs[among])]
+            self.child_accepted = _CHILD_DECAY * self.child_accepted + float(accepted[best])
+            self.child_trials = _CHILD_DECAY * self.child_trials + 1.0

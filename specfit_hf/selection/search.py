@@ -45,6 +45,8 @@ linear-time dynamic program solves it exactly.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -56,7 +58,7 @@ import torch
 
 from ..tree import Selection
 
-__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem"]
+__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
 
 _INT_SCALE = float(2**27)  # capacities <= 2^28 and capacity + flow < 2^29: far below int32 max
 _GAP_TOL = 1e-12  # tokens: stop refining the cut once it is this close to optimal
@@ -578,6 +580,25 @@ def evaluate_subtree(
     if not problem.is_closed(selected):
         raise ValueError("nodes must be ancestor-closed")
     return _selection(problem, selected)
+
+
+def closed_part(parents: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Mask over ``nodes`` of those whose ancestors are all in ``nodes`` (all True: the set is closed)."""
+    ok = np.zeros(parents.size, dtype=bool)
+    inside = np.zeros(parents.size, dtype=bool)
+    inside[nodes] = True
+    for v in np.sort(nodes):  # parents precede children
+        par = parents[v]
+        ok[v] = par < 0 or (inside[par] and ok[par])
+    return ok[nodes]
+
+
+def save_instance(**arrays: Any) -> str:
+    """Write a search instance to a temporary ``.npz`` (for a bug report); returns its path."""
+    fd, path = tempfile.mkstemp(prefix="specfit_unclosed_", suffix=".npz")
+    os.close(fd)
+    np.savez(path, **{k: np.asarray(v) for k, v in arrays.items() if v is not None})
+    return path
 
 
 def _selection(problem: SearchProblem, selected: np.ndarray) -> Selection:
