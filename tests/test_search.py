@@ -257,7 +257,7 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
     scipy's int32 flow arithmetic, and the 'infinite' edge child -> parent was cut."""
     from pathlib import Path
 
-    import specfit_hf.selection.search as search
+    import specfit_hf.selection.mincut as mincut
 
     data = np.load(Path(__file__).parent / "data" / "search_int32_overflow.npz")
     inst = (data["sp"], data["path"], data["ne"], data["re"], data["cached"], CostModel(*data["cost"]))
@@ -267,5 +267,5 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
     mask[sel.nodes.numpy()] = True
     assert problem.is_closed(mask)
     # a much coarser integer scale must reach the same optimum (the refinement is exact)
-    monkeypatch.setattr(search, "_INT_SCALE", float(2**16))
+    monkeypatch.setattr(mincut, "_INT_SCALE", float(2**16))
     assert select_subtree(*inst).throughput == pytest.approx(sel.throughput, rel=1e-12)
