@@ -437,6 +437,7 @@ def summarize(
             ),
             "outputs_identical_to_autoregressive": all(r.new_tokens == reference[r.prompt_index] for r in vruns),
             "generations": len(vruns),
+            "first_output_tokens": min(vruns, key=lambda r: (r.run, r.prompt_index)).new_tokens,
         }
     for label, row in rows.items():
         for base in baselines:
