@@ -40,7 +40,7 @@ import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -50,6 +50,9 @@ from .clock import clock
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
 from .selection import available_policies
+
+if TYPE_CHECKING:
+    from .twin import Twin
 
 __all__ = [
     "Variant",
@@ -466,6 +469,7 @@ def run_benchmark(
     device: str = "cpu",
     virtual_link: bool = True,
     progress: bool = True,
+    twin: "str | Twin | None" = None,
 ) -> dict[str, Any]:
     """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
 
@@ -482,6 +486,9 @@ def run_benchmark(
         device: "cpu" (emulated link) or a CUDA device (real host→device copies).
         virtual_link: on CPU, account emulated transfer time on the virtual clock instead
             of waiting (see :mod:`specfit_hf.offload.link`); recorded in ``meta``.
+        twin: a device twin (:mod:`specfit_hf.twin`): the clock charges the twin's modeled time
+            for target/draft forwards and expert transfers (``links`` is then ignored; rows'
+            ``link`` is the twin's name; ``meta["twin"]`` holds every constant and the scaling).
     """
     if get_runtime(target) is not None:
         raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
@@ -493,6 +500,12 @@ def run_benchmark(
             if tuned in policies and not tune_prompts:
                 raise ValueError(f"policy {tuned!r} needs tune_prompts to choose its tree")
     emulated = str(device) == "cpu"
+    if twin is not None:
+        from .twin import get_twin
+
+        if not emulated:
+            raise ValueError("a device twin models the GPU timeline on a CPU host; run it with device='cpu'")
+        twin = get_twin(twin)
     host = host_info()  # now: the code that runs, not whatever is checked out when the grid ends
 
     def encode(texts: list[str]) -> list[torch.Tensor]:
@@ -501,18 +514,25 @@ def run_benchmark(
     ids = {c: encode(ps) for c, ps in prompts.items()}
     tune_ids = {c: encode(ps) for c, ps in (tune_prompts or {}).items()}
     regimes: list[LinkRegime | None] = [REGIMES[x] if isinstance(x, str) else x for x in links] if emulated else [None]
+    if twin is not None:
+        regimes = [None]
     first = next(iter(ids.values()))[0]
-    cached_step = measure_cached_step(target, first) if emulated else float("nan")
+    cached_step = measure_cached_step(target, first) if emulated and twin is None else float("nan")
     rows: list[dict[str, Any]] = []
     cells = [(c, f, regime) for f in cache_fractions for regime in regimes for c in ids]
     bar = tqdm(total=len(cells), desc="benchmark cells", disable=not progress)
     tuning: dict[str, Any] = {}
     for category, fraction, regime in cells:
-        link_name = regime.name if regime is not None else "real"
+        link_name = regime.name if regime is not None else (twin.name if twin is not None else "real")
         runtime = offload_experts(target, device=device, cache_fraction=fraction, policy=offload_policy)
+        timeline = None
         try:
             if regime is not None:
                 runtime.link = link_for_regime(regime, runtime, cached_step, virtual=virtual_link)
+            if twin is not None:
+                from .twin import TwinTimeline
+
+                timeline = TwinTimeline(twin, target, draft).attach()
             best_n, best_static = None, None
             cell_key = f"{category}/{fraction}/{link_name}"
 
@@ -561,6 +581,8 @@ def run_benchmark(
                     row["static_best_shape"] = best_static
                 rows.append(row)
         finally:
+            if timeline is not None:
+                timeline.detach()
             runtime.detach()
         bar.update()
     bar.close()
@@ -573,8 +595,10 @@ def run_benchmark(
         "offload_policy": offload_policy,
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
-        "emulated_link": emulated,
-        "link_timing": ("virtual" if virtual_link else "wait") if emulated else "real",
+        "emulated_link": emulated and twin is None,
+        "link_timing": "twin" if twin is not None else (("virtual" if virtual_link else "wait") if emulated else "real"),
+        "timeline": "modeled (device twin)" if twin is not None else ("emulated link, CPU compute" if emulated else "real"),
+        **({"twin": twin.meta()} if twin is not None else {}),
         "device": str(device),
         **host,
     }
@@ -771,7 +795,10 @@ def write_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path
     top = max([r.get("speedup_vs_autoregressive", 1.0) for r in rows] + [1.0])
     axes[0, 0].set_ylim(0, 1.3 * top)  # headroom for the legend
     axes[0, 0].legend(fontsize=7, ncol=min(len(policies), 6), loc="upper center")
-    fig.suptitle("decode-phase speed-up over autoregressive decoding" + (" (emulated link)" if results.get("meta", {}).get("emulated_link", True) else ""))
+    meta = results.get("meta", {})
+    note = " (MODELED GPU timeline: device twin)" if "twin" in meta else (
+        " (emulated link)" if meta.get("emulated_link", True) else "")
+    fig.suptitle("decode-phase speed-up over autoregressive decoding" + note)
     fig.tight_layout()
     paths["speedup_png"] = out / "speedup.png"
     fig.savefig(paths["speedup_png"], dpi=110)
