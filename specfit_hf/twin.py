@@ -550,7 +550,7 @@ def sanity_table(names: list[str] | None = None, context: int = 512) -> str:
     """Markdown: each twin's modeled plain decode tok/s (every expert resident) beside published figures."""
     names = names or [n for n in twin_names() if not n.endswith("+graphs")]
     lines = [
-        "| twin | modeled tok/s, eager host overhead | modeled tok/s, +graphs | of which memory-bound | published batch-1 |",
+        "| twin | modeled tok/s, eager host overhead | modeled tok/s, +graphs | +graphs step (roofline only) | published batch-1 (what it is) |",
         "|---|---|---|---|---|",
     ]
     for name in names:

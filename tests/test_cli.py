@@ -63,3 +63,15 @@ def test_demo_prints_decode_rate_ttft_and_an_answer(capsys):
                   "One answer", "answer:"):
         assert words in out
     assert "EmulatedLink(" not in out and "OffloadRuntime(" not in out  # no raw reprs
+
+
+def test_demo_and_generate_reject_unknown_twin():
+    from specfit_hf.cli import main
+    from specfit_hf.demo import main as demo
+
+    with pytest.raises(SystemExit):
+        demo(["--twin", "nope@nowhere"])
+    with pytest.raises(SystemExit, match="unknown twin"):
+        main(["generate", "--prompt", "x", "--twin", "nope@nowhere"])
+    args = build_parser().parse_args(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4"])
+    assert args.twin == "qwen3-30b-a3b@rtx4090-pcie4" and args.max_new_tokens == 128
