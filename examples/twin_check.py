@@ -130,9 +130,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     reduce = args.reduce if args.reduce is not None else (1 if device.type == "cuda" else 16)
     dev_spec, link_spec, per_op = measure_host_device(device, dtype)
     if device.type == "cuda":
-        layers = args.layers or max(1, min(twin.model.layers, int(
-            0.7 * torch.cuda.mem_get_info(device)[0] / (twin.model.experts * twin.model.expert_bytes
-                                                        + twin.model.nonexpert_bytes / twin.model.layers))))
+        # the model's weights plus the runtime's expert slots (cache 100 %) must fit, with headroom
+        per_layer = twin.model.experts * twin.model.expert_bytes + twin.model.nonexpert_bytes / twin.model.layers
+        free = torch.cuda.mem_get_info(device)[0]
+        layers = args.layers or max(1, min(twin.model.layers, int(0.8 * free / (2.2 * per_layer))))
         model_twin = twin  # the spec-sheet device and link are what is checked
     else:
         layers = args.layers or 2

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -318,29 +318,27 @@ MODELS: dict[str, ModelSpec] = {
     ),
 }
 
-DEVICES: dict[str, DeviceSpec] = {
-    d.name: d
-    for d in (
-        DeviceSpec("rtx4090", 1008.0, 165.2, "NVIDIA Ada Lovelace whitepaper: 1,008 GB/s GDDR6X; 165.2 TFLOPS dense "
-                   "bf16 with FP32 accumulate (reference-facts.md)"),
-        DeviceSpec("rtx5090", 1792.0, 209.5, "NVIDIA RTX Blackwell whitepaper: 1,792 GB/s GDDR7; ~209.5 TFLOPS dense "
-                   "bf16 with FP32 accumulate (reference-facts.md says ~210, check the whitepaper)"),
-        DeviceSpec("h100-pcie", 2000.0, 756.0, "NVIDIA H100 PCIe datasheet: 2.0 TB/s HBM2e; 756 TFLOPS dense bf16"),
-        DeviceSpec("gh200", 4000.0, 989.0, "NVIDIA GH200 datasheet: 4.0 TB/s HBM3 (96 GB); 989 TFLOPS dense bf16"),
-    )
-}
+def _by_name(*items: Any) -> dict[str, Any]:
+    return {x.name: x for x in items}
 
-LINKS: dict[str, LinkSpec] = {
-    x.name: x
-    for x in (
-        LinkSpec("pcie4", 25.0, 10.0, "PCIe 4.0 x16 measured pinned H2D ~25 GB/s (reference-facts.md); latency "
-                 "10 us per copy assumed (as specfit_hf.regimes)"),
-        LinkSpec("pcie5", 55.0, 10.0, "PCIe 5.0 x16 measured pinned H2D ~55 GB/s (reference-facts.md); latency "
-                 "10 us per copy assumed"),
-        LinkSpec("nvlink-c2c", 300.0, 5.0, "GH200 NVLink-C2C measured H2D ~300-340 GB/s (reference-facts.md; lower "
-                 "end used); latency 5 us per copy assumed"),
-    )
-}
+
+DEVICES: dict[str, DeviceSpec] = _by_name(
+    DeviceSpec("rtx4090", 1008.0, 165.2, "NVIDIA Ada Lovelace whitepaper: 1,008 GB/s GDDR6X; 165.2 TFLOPS dense "
+               "bf16 with FP32 accumulate (reference-facts.md)"),
+    DeviceSpec("rtx5090", 1792.0, 209.5, "NVIDIA RTX Blackwell whitepaper: 1,792 GB/s GDDR7; ~209.5 TFLOPS dense "
+               "bf16 with FP32 accumulate (reference-facts.md says ~210, check the whitepaper)"),
+    DeviceSpec("h100-pcie", 2000.0, 756.0, "NVIDIA H100 PCIe datasheet: 2.0 TB/s HBM2e; 756 TFLOPS dense bf16"),
+    DeviceSpec("gh200", 4000.0, 989.0, "NVIDIA GH200 datasheet: 4.0 TB/s HBM3 (96 GB); 989 TFLOPS dense bf16"),
+)
+
+LINKS: dict[str, LinkSpec] = _by_name(
+    LinkSpec("pcie4", 25.0, 10.0, "PCIe 4.0 x16 measured pinned H2D ~25 GB/s (reference-facts.md); latency "
+             "10 us per copy assumed (as specfit_hf.regimes)"),
+    LinkSpec("pcie5", 55.0, 10.0, "PCIe 5.0 x16 measured pinned H2D ~55 GB/s (reference-facts.md); latency "
+             "10 us per copy assumed"),
+    LinkSpec("nvlink-c2c", 300.0, 5.0, "GH200 NVLink-C2C measured H2D ~300-340 GB/s (reference-facts.md; lower "
+             "end used); latency 5 us per copy assumed"),
+)
 
 
 def _twins() -> dict[str, Twin]:
@@ -559,7 +557,3 @@ def sanity_table(names: list[str] | None = None, context: int = 512) -> str:
         pubs = "; ".join(f"{v:g} tok/s ({src})" for v, src in PUBLISHED_DECODE.get(name, [])) or "none sourced"
         lines.append(f"| `{name}` | {1 / step:.0f} | {1 / bound:.0f} | {bound * 1e3:.2f} ms/step | {pubs} |")
     return "\n".join(lines) + "\n"
-
-
-def _iter_twins() -> Iterator[Twin]:  # pragma: no cover - convenience for interactive use
-    yield from TWINS.values()
