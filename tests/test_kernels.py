@@ -277,16 +277,11 @@ def test_auto_backend_on_cpu_is_the_torch_reference():
 
 def _experts_kernel_kwargs(experts):
     """Layout/activation flags the transformers experts forward passes for this module."""
-    from specfit_kernels.hf import experts_activation
+    from specfit_kernels import ExpertLayout
 
-    act, alpha, limit = experts_activation(experts)
-    kw = dict(
-        transposed=experts.is_transposed,
-        interleaved=not experts.is_concatenated,
-        activation=act,
-        swiglu_alpha=alpha,
-        swiglu_limit=limit,
-    )
+    layout = ExpertLayout.of(experts)
+    assert layout.transposed == experts.is_transposed and layout.interleaved == (not experts.is_concatenated)
+    kw = layout.kwargs()
     if experts.has_bias:
         kw.update(gate_up_bias=experts.gate_up_proj_bias.detach(), down_bias=experts.down_proj_bias.detach())
     return kw
@@ -371,7 +366,7 @@ def test_registered_experts_implementation_matches_eager_model(arch, monkeypatch
 def test_experts_the_kernels_cannot_express_fall_back_to_grouped_mm():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from specfit_kernels.hf import experts_activation
+    from specfit_kernels import ExpertLayout
 
     torch.manual_seed(13)
     cfg = Qwen3MoeConfig(
@@ -380,7 +375,7 @@ def test_experts_the_kernels_cannot_express_fall_back_to_grouped_mm():
         hidden_act="gelu",
     )  # fmt: skip
     model = Qwen3MoeForCausalLM(cfg).eval()
-    assert experts_activation(model.model.layers[0].mlp.experts) is None
+    assert ExpertLayout.of(model.model.layers[0].mlp.experts) is None
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(14))
     with torch.no_grad():
         model.set_experts_implementation("eager")

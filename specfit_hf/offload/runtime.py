@@ -553,7 +553,7 @@ def offload_experts(
         fused = _find_fused_experts()
         if fused is None and use_fused_kernel:
             raise ValueError("use_fused_kernel=True but specfit_hf.fused_experts is not importable")
-        probe = adapter.fused_kwargs(first_experts, {name: None for name in adapter.expert_params}, model.config)
+        probe = adapter.fused_kwargs(first_experts, {name: None for name in adapter.expert_params})
         if probe is None:
             if use_fused_kernel:
                 raise ValueError(f"the fused kernel does not implement this model's experts "
@@ -591,7 +591,7 @@ def offload_experts(
             layer.slots = {name: layer.experts._parameters[name].data for name in adapter.expert_params}
             if fused is not None:
                 layer.fused_experts = fused
-                layer.fused_kwargs = adapter.fused_kwargs(layer.experts, layer.slots, model.config)
+                layer.fused_kwargs = adapter.fused_kwargs(layer.experts, layer.slots)
         runtime = OffloadRuntime(model, adapter, target, slots, policy, link, layers, num_experts, top_k,
                                  expert_bytes, original_device)
         for layer in layers:
