@@ -8,8 +8,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import specfit_hf.selection.search as search
 from specfit_hf.selection import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
 from specfit_hf.tree import Selection
+
+
+@pytest.fixture(autouse=True)
+def dinkelbach_on_small_trees(monkeypatch):
+    """Instances here are small: make the search run its Dinkelbach / min-cut path on them
+    (small trees are otherwise enumerated; ``test_enumeration_matches_dinkelbach`` covers that)."""
+    monkeypatch.setattr(search, "_ENUMERATE_NODES", 0)
 
 
 def brute_force(parents, path_prob, node_experts, root_experts, cached, cost) -> float:
@@ -269,3 +277,15 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
     # a much coarser integer scale must reach the same optimum (the refinement is exact)
     monkeypatch.setattr(mincut, "_INT_SCALE", float(2**16))
     assert select_subtree(*inst).throughput == pytest.approx(sel.throughput, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(instances())
+def test_enumeration_matches_dinkelbach(inst):
+    """Small trees are solved by scoring every closed subset: the same optimum as the Dinkelbach path."""
+    problem = SearchProblem(*inst)
+    enumerated = problem._enumerate()
+    assert problem.is_closed(enumerated)
+    dinkelbach = problem.solve()  # the autouse fixture turned enumeration off
+    assert problem.throughput(enumerated) == pytest.approx(problem.throughput(dinkelbach), rel=1e-12)
+    assert problem.throughput(enumerated) >= brute_force(*inst) * (1 - 1e-12)

@@ -426,7 +426,7 @@ def test_adaptive_drafting_compares_tokens_per_wall_second():
                            select_seconds=0.0, verify_seconds=seconds - draft_s)
 
     ok = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
-    assert policy.gate.drafted_rate is None and policy.costs.level_seconds is None
+    assert policy.gate.drafted_rate is None and policy.costs.draft.t_level is None
     policy.observe(drafted, sel, ok, record(2, 0.02, 0.005))
     policy.observe(drafted, sel, ok, record(2, 0.06, 0.005))
     root_only = VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[7], bonus_token=7)
@@ -434,7 +434,7 @@ def test_adaptive_drafting_compares_tokens_per_wall_second():
     # ratio of decayed sums (ema 0.3): (0.7*2 + 2) / (0.7*0.02 + 0.06), not a mean of per-cycle rates
     assert policy.gate.drafted_rate == pytest.approx(3.4 / 0.074)
     assert policy.gate.plain_rate == pytest.approx(1 / 0.03)
-    assert policy.costs.level_seconds == pytest.approx(0.005)
+    assert policy.costs.draft.predict(1, 1) == pytest.approx(0.005)  # 1 level of 1 node, twice
 
 
 def test_search_charges_measured_loads_per_predicted_miss():
@@ -458,7 +458,7 @@ def test_search_charges_measured_loads_per_predicted_miss():
         policy.costs.observe(tree, sel, record, policy.forecast.selection_missing(tree, sel))
     assert 2.0 < policy.costs.miss_scale <= 3.0  # 12 loaded per 4 predicted, shrunk toward 1
     policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
-    assert policy.costs.cycle_model(0).t_expert == pytest.approx(0.002 * policy.costs.miss_scale)
+    assert policy.costs.cycle_model(0, 0).t_expert == pytest.approx(0.002 * policy.costs.miss_scale)
 
 
 def _drafting_policy(**kwargs):

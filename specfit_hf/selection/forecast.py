@@ -28,6 +28,7 @@ class _TreePredictions:
         self.cached = cached
         self.nodes = np.zeros((0, *root.shape), dtype=np.int64)
         self.done = np.zeros(0, dtype=bool)  # which node rows hold predictions
+        self.root_missing: int | None = None
 
 
 class ExpertForecast:
@@ -75,7 +76,11 @@ class ExpertForecast:
     def root_missing(self, tree: DraftTree) -> int:
         """Predicted misses of verifying the root alone, against the cycle's residents."""
         root = self.root(tree)
-        return 0 if root is None else root_missing(root, self.current.cached)
+        if root is None:
+            return 0
+        if self.current.root_missing is None:
+            self.current.root_missing = root_missing(root, self.current.cached)
+        return self.current.root_missing
 
     def plain_step_missing(self, tree: DraftTree) -> int:
         """Predicted misses of a plain decode step (before any drafting), against the residents now."""

@@ -32,7 +32,8 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   figures are always evaluated exactly from the chosen set.
 
 Without expert information (``node_experts is None``) the closure is a tree and a
-linear-time dynamic program solves it exactly.
+linear-time dynamic program solves it exactly.  Trees of at most 10 nodes (what a
+narrow draft grows) are solved by scoring every ancestor-closed subset at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .mincut import min_cut_rounds
 __all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
 
 _MAX_DINKELBACH_STEPS = 100
+_ENUMERATE_NODES = 10  # up to 2^10 subsets: scoring them all beats building a flow network
 _SPLIT_ROUNDS = 4  # cost-split relaxations tried before a min cut
 
 
@@ -419,8 +421,25 @@ class SearchProblem:
             selected[nodes[side[:nn]]] = True
             yield selected
 
+    def _enumerate(self) -> np.ndarray:
+        """The optimal closed node mask by scoring every closed subset (small trees only)."""
+        n = self.n
+        masks = ((np.arange(1 << n)[:, None] >> np.arange(n)) & 1).astype(bool)
+        has_parent = self.parents >= 0
+        masks = masks[np.all(~masks[:, has_parent] | masks[:, self.parents[has_parent]], axis=1)]
+        missing = np.full(masks.shape[0], float(self.root_missing))
+        if self.num_items:
+            usage = np.zeros((n, self.num_items), dtype=np.float64)
+            usage[self.pair_node, self.pair_item] = 1.0
+            missing += np.count_nonzero(masks.astype(np.float64) @ usage, axis=1)
+        e = 1.0 + masks.astype(np.float64) @ self.p
+        c = self.cost
+        return masks[int(np.argmax(e / (c.t0 + c.t_token * (masks.sum(axis=1) + 1) + c.t_expert * missing)))]
+
     def solve(self, warm_start: np.ndarray | None = None) -> np.ndarray:
-        """The optimal closed node mask (Dinkelbach iteration)."""
+        """The optimal closed node mask (every closed subset of a small tree, else Dinkelbach iteration)."""
+        if self.n <= _ENUMERATE_NODES:
+            return self._enumerate()
         best = np.zeros(self.n, dtype=bool)
         best_thr = self.throughput(best)
         candidates = [self._best_prefix()]
