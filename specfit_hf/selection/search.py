@@ -138,20 +138,10 @@ class SearchProblem:
         self._build_items(node_experts, root_experts, cached)
 
     # ------------------------------------------------------------------ items
-    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+    def _checked_experts(self, node_experts: Any, root_experts: Any | None,
+                         cached: Any | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(node experts ``[N, L, k]``, root experts ``[L, k']``, cached ``[L, E]``) as arrays, shapes checked."""
         n = self.n
-        self.root_missing = 0
-        self.num_items = 0
-        self.pair_node = np.zeros(0, dtype=np.int64)
-        self.pair_item = np.zeros(0, dtype=np.int64)
-        self.private = np.zeros(n, dtype=np.float64)
-        self.group_cost_count = np.zeros(0, dtype=np.float64)
-        self.member_node = np.zeros(0, dtype=np.int64)
-        self.member_group = np.zeros(0, dtype=np.int64)
-        if node_experts is None:
-            if root_experts is not None:
-                raise ValueError("root_experts given without node_experts")
-            return
         ne = _as_numpy(node_experts, np.int64)
         if ne.ndim != 3 or ne.shape[0] != n:
             raise ValueError(f"node_experts must be [N={n}, L, k], got shape {tuple(ne.shape)}")
@@ -170,6 +160,24 @@ class SearchProblem:
                 raise ValueError(f"root_experts must be [L={num_layers}, k], got shape {tuple(re.shape)}")
         if ne.size and ne.max() >= num_experts or re.size and re.max() >= num_experts:
             raise ValueError(f"expert ids must be < E={num_experts} (negative ids mean 'none')")
+        return ne, re, cached
+
+    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+        n = self.n
+        self.root_missing = 0
+        self.num_items = 0
+        self.pair_node = np.zeros(0, dtype=np.int64)
+        self.pair_item = np.zeros(0, dtype=np.int64)
+        self.private = np.zeros(n, dtype=np.float64)
+        self.group_cost_count = np.zeros(0, dtype=np.float64)
+        self.member_node = np.zeros(0, dtype=np.int64)
+        self.member_group = np.zeros(0, dtype=np.int64)
+        if node_experts is None:
+            if root_experts is not None:
+                raise ValueError("root_experts given without node_experts")
+            return
+        ne, re, cached = self._checked_experts(node_experts, root_experts, cached)
+        num_layers, num_experts = cached.shape
         layer_off = (np.arange(num_layers, dtype=np.int64) * num_experts)[:, None]
         # items the root pays anyway or the cache holds cost nothing
         costly = ~cached.reshape(-1)
@@ -206,6 +214,16 @@ class SearchProblem:
             lin, first_pair = np.unique(lin, return_index=True)
             nodes, items = nodes[first_pair], items[first_pair]
 
+        self._charge_topmost_users(usage, nodes, items, lin, num_items)
+
+    def _charge_topmost_users(self, usage: np.ndarray, nodes: np.ndarray, items: np.ndarray, lin: np.ndarray,
+                              num_items: int) -> None:
+        """Private cost per node and groups of shared items (items with the same user set merge).
+
+        ``usage`` ``[n, items]``: which node uses which costly item; ``(nodes, items)`` its
+        pairs, one per (node, item); ``lin`` their flat indices in ``usage``.
+        """
+        n = self.n
         # charge each item to its topmost users only: an ancestor's use covers the node's
         covered = np.zeros_like(usage)
         for idx in self.levels[1:]:
