@@ -252,6 +252,8 @@ class AcceptanceModel:
 
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, greedy: bool) -> None:
         """Learn from a verified cycle (greedy: unverified nodes count too, see :func:`acceptance_outcomes`)."""
+        if len(tree) == 0:
+            return  # a plain step: nothing drafted, nothing to learn
         seen, accepted = acceptance_outcomes(tree, selection, result, include_unverified=greedy)
         if not seen.size:
             return

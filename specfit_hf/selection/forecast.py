@@ -87,7 +87,10 @@ class ExpertForecast:
         if self.predictor is None:
             return 0
         # history knows the root token; the other predictors need a draft hidden state
-        return root_missing(self.predictor.predict_root(tree), self.experts.resident())
+        root = self.predictor.predict_root(tree)
+        if not (root >= 0).any():
+            return 0  # no guess: skip reading the residents
+        return root_missing(root, self.experts.resident())
 
     def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:
         """Predicted misses of verifying the root and ``selection`` (``None`` if not predicted for this tree)."""
