@@ -17,7 +17,7 @@ from specfit_hf.tree import Selection
 def dinkelbach_on_small_trees(monkeypatch):
     """Instances here are small: make the search run its Dinkelbach / min-cut path on them
     (small trees are otherwise enumerated; ``test_enumeration_matches_dinkelbach`` covers that)."""
-    monkeypatch.setattr(search, "_ENUMERATE_NODES", 0)
+    monkeypatch.setattr(search, "_ENUMERATE_SETS", 0)
 
 
 def brute_force(parents, path_prob, node_experts, root_experts, cached, cost) -> float:
@@ -282,9 +282,12 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(instances())
 def test_enumeration_matches_dinkelbach(inst):
-    """Small trees are solved by scoring every closed subset: the same optimum as the Dinkelbach path."""
+    """Trees with few closed subsets are solved by scoring each: the same optimum as the Dinkelbach path."""
     problem = SearchProblem(*inst)
-    enumerated = problem._enumerate()
+    masks = problem._closed_subsets(limit=1 << 12)  # instances have <= 10 nodes: at most 2^10 closed sets
+    assert masks is not None and len({m.tobytes() for m in masks}) == masks.shape[0]  # each closed set once
+    assert all(problem.is_closed(m) for m in masks)
+    enumerated = problem._enumerate(masks)
     assert problem.is_closed(enumerated)
     dinkelbach = problem.solve()  # the autouse fixture turned enumeration off
     assert problem.throughput(enumerated) == pytest.approx(problem.throughput(dinkelbach), rel=1e-12)

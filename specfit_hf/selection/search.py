@@ -32,8 +32,9 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   figures are always evaluated exactly from the chosen set.
 
 Without expert information (``node_experts is None``) the closure is a tree and a
-linear-time dynamic program solves it exactly.  Trees of at most 10 nodes (what a
-narrow draft grows) are solved by scoring every ancestor-closed subset at once.
+linear-time dynamic program solves it exactly.  A tree with at most 2048 ancestor-closed
+subsets (what a narrow draft grows: a chain of ``n`` nodes has ``n + 1``) is solved by
+scoring every one of them at once.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from .mincut import min_cut_rounds
 __all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
 
 _MAX_DINKELBACH_STEPS = 100
-_ENUMERATE_NODES = 10  # up to 2^10 subsets: scoring them all beats building a flow network
+_ENUMERATE_SETS = 2048  # up to this many closed subsets, scoring them all beats building a flow network
 _SPLIT_ROUNDS = 4  # cost-split relaxations tried before a min cut
 
 
@@ -439,15 +440,31 @@ class SearchProblem:
             selected[nodes[side[:nn]]] = True
             yield selected
 
-    def _enumerate(self) -> np.ndarray:
-        """The optimal closed node mask by scoring every closed subset (small trees only)."""
+    def _closed_subsets(self, limit: int | None = None) -> np.ndarray | None:
+        """Every ancestor-closed subset as a ``[count, n]`` bool array, or ``None`` past ``limit`` of them
+        (default ``_ENUMERATE_SETS``).
+
+        Grown node by node (parents first): each set holding ``v``'s parent spawns a copy with
+        ``v``.  A chain of ``n`` nodes has ``n + 1`` closed subsets, a bushy tree far more.
+        """
         n = self.n
-        masks = ((np.arange(1 << n)[:, None] >> np.arange(n)) & 1).astype(bool)
-        has_parent = self.parents >= 0
-        masks = masks[np.all(~masks[:, has_parent] | masks[:, self.parents[has_parent]], axis=1)]
+        limit = _ENUMERATE_SETS if limit is None else limit
+        if n > 62:
+            return None
+        bits = np.zeros(1, dtype=np.int64)
+        for v in range(n):
+            par = self.parents[v]
+            grown = bits if par < 0 else bits[(bits >> par) & 1 == 1]
+            bits = np.concatenate([bits, grown | (1 << v)])
+            if bits.size > limit:
+                return None
+        return ((bits[:, None] >> np.arange(n)) & 1).astype(bool)
+
+    def _enumerate(self, masks: np.ndarray) -> np.ndarray:
+        """The best of the closed subsets ``masks`` (``[count, n]`` bool), scored at once."""
         missing = np.full(masks.shape[0], float(self.root_missing))
         if self.num_items:
-            usage = np.zeros((n, self.num_items), dtype=np.float64)
+            usage = np.zeros((self.n, self.num_items), dtype=np.float64)
             usage[self.pair_node, self.pair_item] = 1.0
             missing += np.count_nonzero(masks.astype(np.float64) @ usage, axis=1)
         e = 1.0 + masks.astype(np.float64) @ self.p
@@ -455,9 +472,10 @@ class SearchProblem:
         return masks[int(np.argmax(e / (c.t0 + c.t_token * (masks.sum(axis=1) + 1) + c.t_expert * missing)))]
 
     def solve(self, warm_start: np.ndarray | None = None) -> np.ndarray:
-        """The optimal closed node mask (every closed subset of a small tree, else Dinkelbach iteration)."""
-        if self.n <= _ENUMERATE_NODES:
-            return self._enumerate()
+        """The optimal closed node mask (every closed subset when there are few, else Dinkelbach iteration)."""
+        masks = self._closed_subsets() if _ENUMERATE_SETS else None
+        if masks is not None:
+            return self._enumerate(masks)
         best = np.zeros(self.n, dtype=bool)
         best_thr = self.throughput(best)
         candidates = [self._best_prefix()]
