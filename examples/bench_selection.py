@@ -70,12 +70,12 @@ def make_experts(rng, parents, layers, experts, top_k, correlated):
 def run_e2e(args) -> None:
     import torch
 
-    from specfit_hf.selection import SpecFitPolicy, register_policy
+    from specfit_hf.selection import MeasuredSpecFitPolicy, register_policy
 
-    captured: list[SpecFitPolicy] = []
+    captured: list[MeasuredSpecFitPolicy] = []
 
     @register_policy("specfit-bench")
-    class _Captured(SpecFitPolicy):  # the specfit policy, kept to read its online figures
+    class _Captured(MeasuredSpecFitPolicy):  # the specfit policy (+ predictor reports), kept to read its figures
         def __init__(self, config):
             super().__init__(config)
             captured.append(self)

@@ -28,13 +28,13 @@ from specfit_hf.eagle3 import Eagle3DraftModel
 from specfit_hf.testing import tiny_target
 from specfit_hf.eagle3.train import TrainConfig, train_eagle3
 from specfit_hf.generation import SpecFitConfig
-from specfit_hf.selection import SpecFitPolicy, register_policy
+from specfit_hf.selection import MeasuredSpecFitPolicy, register_policy
 
-_CAPTURED: list[SpecFitPolicy] = []
+_CAPTURED: list[MeasuredSpecFitPolicy] = []
 
 
 @register_policy("specfit-measure")
-class _Captured(SpecFitPolicy):
+class _Captured(MeasuredSpecFitPolicy):
     """The specfit policy, kept so its online figures can be printed."""
 
     def __init__(self, config):

@@ -57,43 +57,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from transformers import HfArgumentParser
+
 from specfit_hf.eagle3.train import TrainConfig, train_eagle3
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True)
-    p.add_argument("--data", required=True, nargs="+")
-    p.add_argument("--text-field", default=None)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--ttt-steps", type=int, default=7)
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--expert-heads", action="store_true")
-    p.add_argument("--expert-loss-weight", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--time-budget-min", type=float, default=0.0)
-    p.add_argument("--max-steps-per-run", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=2_000_000)
-    p.add_argument("--layers", type=int, nargs=3, default=None)
-    a = p.parse_args(argv)
-    if a.ttt_steps < 1:
-        p.error("--ttt-steps must be >= 1")
-    return TrainConfig(
-        target=a.target, data=a.data, out=a.out, steps=a.steps, seq_len=a.seq_len, batch_size=a.batch_size,
-        ttt_steps=a.ttt_steps, draft_vocab=a.draft_vocab, expert_heads=a.expert_heads,
-        expert_loss_weight=a.expert_loss_weight, lr=a.lr, warmup_steps=a.warmup_steps, threads=a.threads,
-        seed=a.seed, resume=a.resume, time_budget_min=a.time_budget_min,
-        max_steps_per_run=a.max_steps_per_run, save_every=a.save_every,
-        max_tokens=a.max_tokens, text_field=a.text_field, feature_indices=a.layers,
-    )
+    """The :class:`TrainConfig` of these command-line flags (``--help`` lists them)."""
+    parser = HfArgumentParser(TrainConfig, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    (cfg,) = parser.parse_args_into_dataclasses(args=argv)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:

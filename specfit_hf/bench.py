@@ -8,12 +8,18 @@ One run compares, on the same prompts, seeds and offload settings:
                     expert cache*: every verify loads the union of its experts
 ``eagle3``          the same tree with the same persistent expert cache as SpecFit
 ``eagle3-best``     the best fixed verify size N, tuned on other prompts of the category
+``static:<shape>``  a fixed tree shape (the ``eagle3`` policy with fixed depth, branching and
+                    verify size): ``static`` expands to :data:`STATIC_FAMILY` (chains of
+                    depth 1-4, two small trees, the EAGLE-3 default 60/7/10)
+``static-best``     the family member with the best decode tok/s on the tune prompts
 ``specfit``         throughput-optimal subtree selection
 ``oracle``          selection knowing the true acceptance and experts (upper bound)
 ==================  ==========================================================================
 
 For every (category, cache fraction, link regime) cell and every policy it records
-tokens/s (median over runs), speed-ups against each baseline, mean accepted length,
+decode-phase tokens/s (tokens after the first / seconds after the first token; the
+headline figure), time to first token, end-to-end tokens/s (median over runs), decode
+speed-ups against each baseline, mean accepted length,
 experts loaded and bytes moved per committed token, predicted vs measured cycle time
 (MAPE), the selection's share of cycle time, and whether the output equals the
 autoregressive output token for token.
@@ -28,12 +34,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import platform
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -44,14 +51,23 @@ from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
 from .selection import available_policies
 
+if TYPE_CHECKING:
+    from .twin import Twin
+
 __all__ = [
     "Variant",
     "PromptRun",
+    "STATIC_FAMILY",
+    "static_label",
+    "static_variant",
+    "static_family",
+    "expand_policies",
     "default_variants",
     "measure_cached_step",
     "link_for_regime",
     "run_variant",
     "tune_fixed_n",
+    "tune_static",
     "run_benchmark",
     "summarize",
     "host_info",
@@ -81,9 +97,43 @@ class Variant:
 
 EAGLE3_TREE = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
 
+# Static tree shapes: (max_depth, tree_top_k, max_verify_nodes).  Chains of depth 1-4, two
+# small trees and EAGLE-3's default tree.
+STATIC_FAMILY: tuple[tuple[int, int, int], ...] = (
+    (1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (3, 2, 4), (4, 3, 8), (7, 10, 60),
+)
+_STATIC_RE = re.compile(r"^static:d(\d+)k(\d+)n(\d+)$")
 
-def default_variants(best_n: int | None = None, include_oracle: bool = True) -> list[Variant]:
-    """The benchmark's policy columns; ``best_n`` adds the tuned fixed-N EAGLE-3 tree."""
+
+def static_label(depth: int, top_k: int, nodes: int) -> str:
+    """Row label of a static tree: ``static:d<depth>k<top_k>n<nodes>`` (a chain has ``k1``)."""
+    return f"static:d{depth}k{top_k}n{nodes}"
+
+
+def static_variant(label: str) -> Variant:
+    """The variant of a ``static:d<depth>k<top_k>n<nodes>`` label (the ``eagle3`` policy, fixed shape)."""
+    m = _STATIC_RE.match(label)
+    if m is None:
+        raise ValueError(f"bad static tree label {label!r}: expected static:d<depth>k<top_k>n<nodes>, e.g. static:d3k1n3")
+    depth, top_k, nodes = (int(x) for x in m.groups())
+    if min(depth, top_k, nodes) < 1:
+        raise ValueError(f"static tree {label!r}: depth, top_k and nodes must all be >= 1")
+    return Variant(label, "eagle3", config={"max_depth": depth, "tree_top_k": top_k, "max_verify_nodes": nodes})
+
+
+def static_family() -> list[Variant]:
+    """Every member of :data:`STATIC_FAMILY` as a variant."""
+    return [static_variant(static_label(*shape)) for shape in STATIC_FAMILY]
+
+
+def default_variants(
+    best_n: int | None = None, include_oracle: bool = True, static_best: str | None = None
+) -> list[Variant]:
+    """The benchmark's policy columns.
+
+    ``best_n`` adds the tuned fixed-N EAGLE-3 tree (``eagle3-best``); ``static_best`` (a
+    ``static:...`` label) adds ``static-best`` with that shape.  The static family is included.
+    """
     variants = [
         Variant("autoregressive", None),
         Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=dict(EAGLE3_TREE)),
@@ -91,10 +141,68 @@ def default_variants(best_n: int | None = None, include_oracle: bool = True) -> 
     ]
     if best_n is not None:
         variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(best_n)}))
+    variants.extend(static_family())
+    if static_best is not None:
+        variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
     variants.append(Variant("specfit", "specfit", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
     if include_oracle and "oracle" in available_policies():
         variants.append(Variant("oracle", "oracle", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
     return variants
+
+
+def expand_policies(policies: Sequence[str]) -> list[str]:
+    """Validate ``--policies`` names and expand ``static`` to the family's labels.
+
+    Accepts the default labels (``autoregressive``, ``eagle3``, ``eagle3-vanilla``,
+    ``eagle3-best``, ``specfit``, ``oracle``), ``static``, ``static-best`` and any
+    ``static:d<depth>k<top_k>n<nodes>``.  Raises ``ValueError`` naming what is wrong.
+    """
+    known = {v.label for v in default_variants(best_n=0, static_best=static_label(*STATIC_FAMILY[0]))}
+    out: list[str] = []
+    unknown = []
+    for name in policies:
+        if name == "static":
+            out.extend(static_label(*shape) for shape in STATIC_FAMILY)
+        elif name.startswith("static:"):
+            static_variant(name)  # raises on a malformed shape
+            out.append(name)
+        elif name in known:
+            out.append(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(
+            f"unknown policies {sorted(unknown)}; choose from {sorted(known - {v.label for v in static_family()})}, "
+            "'static' (the whole family) or static:d<depth>k<top_k>n<nodes>"
+        )
+    return list(dict.fromkeys(out))
+
+
+class _TimingStreamer:
+    """A ``generate`` streamer that records :func:`clock` and the token count of each ``put``.
+
+    Stock ``generate`` puts the prompt first; the SpecFit loop may or may not (it is
+    recognised afterwards from the token counts, see :meth:`first_token_time`).
+    """
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[float, int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append((clock(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+    def first_token_time(self, prompt_len: int, new_tokens: int) -> tuple[float, int]:
+        """``(clock at the put that carried the first new token, tokens in that put)``."""
+        puts = self.puts
+        if puts and sum(n for _, n in puts) == prompt_len + new_tokens and puts[0][1] == prompt_len:
+            puts = puts[1:]  # the prompt
+        for t, n in puts:
+            if n > 0:
+                return t, n
+        raise RuntimeError("generate produced no token through the streamer")
 
 
 @dataclass
@@ -113,6 +221,9 @@ class PromptRun:
     predicted_cycle_seconds: list[float] = field(default_factory=list)
     measured_cycle_seconds: list[float] = field(default_factory=list)
     select_seconds: float = 0.0
+    ttft_seconds: float = float("nan")
+    decode_seconds: float = float("nan")
+    decode_tokens: int = 0
 
 
 @torch.inference_mode()
@@ -175,10 +286,11 @@ def run_variant(
         torch.cuda.synchronize()
     before = runtime.stats.total.copy()
     torch.manual_seed(seed)
+    streamer = _TimingStreamer()
     t = clock()
     if variant.policy is None:
         out = target.generate(
-            input_ids, do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True
+            input_ids, do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True, streamer=streamer
         )
         cycles = []
     else:
@@ -189,14 +301,16 @@ def run_variant(
             return_dict_in_generate=True,
             **variant.config,
         )
-        out = target.generate(input_ids, assistant_model=draft, generation_config=config)
+        out = target.generate(input_ids, assistant_model=draft, generation_config=config, streamer=streamer)
         cycles = list(out.cycles or [])
     if out.sequences.is_cuda:
         torch.cuda.synchronize()
-    seconds = clock() - t
+    end = clock()
+    seconds = end - t
     runtime.persistent = True
     moved = runtime.stats.total - before
     new = out.sequences[0, input_ids.shape[1]:].tolist()
+    first_t, first_n = streamer.first_token_time(input_ids.shape[1], len(new))
     accepted = [c.tokens_committed for c in cycles]
     return PromptRun(
         variant=variant.label,
@@ -211,13 +325,41 @@ def run_variant(
         predicted_cycle_seconds=[c.predicted_time for c in cycles],
         measured_cycle_seconds=[c.cycle_seconds for c in cycles],
         select_seconds=sum(c.select_seconds for c in cycles),
+        ttft_seconds=first_t - t,
+        decode_seconds=end - first_t,
+        decode_tokens=len(new) - first_n,
     )
 
 
 def _tokens_per_second(runs: Iterable[PromptRun]) -> float:
+    """End to end: every new token over the whole generate call (prefill included)."""
     runs = list(runs)
     seconds = sum(r.seconds for r in runs)
     return sum(len(r.new_tokens) for r in runs) / seconds if seconds > 0 else float("nan")
+
+
+def _decode_tokens_per_second(runs: Iterable[PromptRun]) -> float:
+    """Decode phase: tokens after the first over the seconds after the first token."""
+    runs = list(runs)
+    seconds = sum(r.decode_seconds for r in runs)
+    return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else float("nan")
+
+
+def _tune(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts_ids: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    candidates: dict[Any, Variant],
+    desc: str,
+) -> tuple[Any, dict[Any, float]]:
+    """The key of ``candidates`` whose variant has the best decode tok/s on ``prompts_ids``."""
+    scores: dict[Any, float] = {}
+    for key, variant in tqdm(candidates.items(), desc=desc, leave=False, disable=len(candidates) < 3):
+        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i) for i, ids in enumerate(prompts_ids)]
+        scores[key] = _decode_tokens_per_second(runs)
+    best = max(scores, key=lambda k: -math.inf if math.isnan(scores[k]) else scores[k])
+    return best, scores
 
 
 def tune_fixed_n(
@@ -227,18 +369,30 @@ def tune_fixed_n(
     max_new_tokens: int,
     candidates: Sequence[int] = (4, 8, 16, 32, 60),
 ) -> tuple[int, dict[int, float]]:
-    """The verify size N of the EAGLE-3 tree with the best tokens/s on ``prompts_ids``.
+    """The verify size N of the EAGLE-3 tree with the best decode tokens/s on ``prompts_ids``.
 
     Use prompts disjoint from the evaluation prompts (the benchmark takes them from
     further down the same split).
     """
-    scores: dict[int, float] = {}
-    for n in candidates:
-        variant = Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(n)})
-        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i) for i, ids in enumerate(prompts_ids)]
-        scores[n] = _tokens_per_second(runs)
-    best = max(scores, key=lambda n: scores[n])
-    return best, scores
+    variants = {int(n): Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(n)})
+                for n in candidates}
+    return _tune(target, draft, prompts_ids, max_new_tokens, variants, "tune eagle3 N")
+
+
+def tune_static(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts_ids: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    family: Sequence[Variant] | None = None,
+) -> tuple[str, dict[str, float]]:
+    """The static tree (label) with the best decode tokens/s on ``prompts_ids`` (disjoint tune prompts).
+
+    A Sequoia-style hardware-tuned static tree: the shape is chosen on this host, link and
+    cache, then fixed for the evaluated prompts.
+    """
+    family = list(family) if family is not None else static_family()
+    return _tune(target, draft, prompts_ids, max_new_tokens, {v.label: v for v in family}, "tune static tree")
 
 
 def _mape(predicted: list[float], measured: list[float]) -> float:
@@ -249,9 +403,13 @@ def _mape(predicted: list[float], measured: list[float]) -> float:
 
 
 def summarize(
-    runs: list[PromptRun], reference: dict[int, list[int]], baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3")
+    runs: list[PromptRun], reference: dict[int, list[int]], baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3", "static-best")
 ) -> dict[str, dict[str, Any]]:
-    """Per-variant metrics of one cell; ``reference`` maps prompt index -> autoregressive tokens."""
+    """Per-variant metrics of one cell; ``reference`` maps prompt index -> autoregressive tokens.
+
+    ``speedup_vs_<base>`` are decode-phase ratios (``decode_tokens_per_s``);
+    ``e2e_speedup_vs_<base>`` the end-to-end ones (``tokens_per_s``, prefill included).
+    """
     by_variant: dict[str, list[PromptRun]] = {}
     for r in runs:
         by_variant.setdefault(r.variant, []).append(r)
@@ -261,10 +419,14 @@ def summarize(
         for r in vruns:
             per_run.setdefault(r.run, []).append(r)
         tps_runs = [_tokens_per_second(rs) for rs in per_run.values()]
+        decode_runs = [_decode_tokens_per_second(rs) for rs in per_run.values()]
         committed = sum(len(r.new_tokens) for r in vruns)
         cycle_records = [r for r in vruns if r.measured_cycle_seconds]
         cycle_seconds = sum(sum(r.measured_cycle_seconds) for r in cycle_records)
         rows[label] = {
+            "decode_tokens_per_s": statistics.median(decode_runs),
+            "decode_tokens_per_s_runs": decode_runs,
+            "ttft_s": statistics.fmean(r.ttft_seconds for r in vruns),
             "tokens_per_s": statistics.median(tps_runs),
             "tokens_per_s_runs": tps_runs,
             "mean_accepted": statistics.fmean(len(r.new_tokens) / max(1, r.cycles) for r in vruns),
@@ -278,11 +440,14 @@ def summarize(
             ),
             "outputs_identical_to_autoregressive": all(r.new_tokens == reference[r.prompt_index] for r in vruns),
             "generations": len(vruns),
+            "first_output_tokens": min(vruns, key=lambda r: (r.run, r.prompt_index)).new_tokens,
         }
     for label, row in rows.items():
         for base in baselines:
             if base in rows and base != label:
-                row[f"speedup_vs_{base}"] = row["tokens_per_s"] / rows[base]["tokens_per_s"]
+                # headline ratios are decode-phase; the end-to-end one sits beside them
+                row[f"speedup_vs_{base}"] = row["decode_tokens_per_s"] / rows[base]["decode_tokens_per_s"]
+                row[f"e2e_speedup_vs_{base}"] = row["tokens_per_s"] / rows[base]["tokens_per_s"]
     return rows
 
 
@@ -297,13 +462,14 @@ def run_benchmark(
     variants: Sequence[Variant] | None = None,
     policies: Sequence[str] | None = None,
     runs: int = 1,
-    max_new_tokens: int = 48,
+    max_new_tokens: int = 128,
     tune_prompts: dict[str, list[str]] | None = None,
     tune_candidates: Sequence[int] = (4, 8, 16, 32, 60),
     offload_policy: str = "lru",
     device: str = "cpu",
     virtual_link: bool = True,
     progress: bool = True,
+    twin: "str | Twin | None" = None,
 ) -> dict[str, Any]:
     """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
 
@@ -312,25 +478,34 @@ def run_benchmark(
         links: link regimes emulated on the CPU; ignored on CUDA, where the real link is
             measured (the rows then say ``link="real"``).
         variants: the policy columns (default :func:`default_variants`, with the tuned N).
-        policies: keep only these labels of the default columns (``eagle3-best`` needs
-            ``tune_prompts``); exclusive with ``variants``.
-        tune_prompts: category -> other prompts used to pick the best fixed N (skipped if None).
+        policies: keep only these columns (see :func:`expand_policies`: default labels,
+            ``static`` for the whole static family, ``static:d<d>k<k>n<n>``, ``static-best``;
+            ``eagle3-best`` and ``static-best`` need ``tune_prompts``); exclusive with ``variants``.
+        tune_prompts: category -> other prompts (disjoint from ``prompts``) used to pick the
+            best fixed N (``eagle3-best``) and the best static tree (``static-best``); skipped if None.
         device: "cpu" (emulated link) or a CUDA device (real host→device copies).
         virtual_link: on CPU, account emulated transfer time on the virtual clock instead
             of waiting (see :mod:`specfit_hf.offload.link`); recorded in ``meta``.
+        twin: a device twin (:mod:`specfit_hf.twin`): the clock charges the twin's modeled time
+            for target/draft forwards and expert transfers (``links`` is then ignored; rows'
+            ``link`` is the twin's name; ``meta["twin"]`` holds every constant and the scaling).
     """
     if get_runtime(target) is not None:
         raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
     if variants is not None and policies is not None:
         raise ValueError("pass either variants or policies, not both")
     if policies is not None:
-        known = {v.label for v in default_variants(best_n=0)}
-        unknown = sorted(set(policies) - known)
-        if unknown:
-            raise ValueError(f"unknown policies {unknown}; choose from {sorted(known)}")
-        if "eagle3-best" in policies and not tune_prompts:
-            raise ValueError("policy 'eagle3-best' needs tune_prompts to pick N")
+        policies = expand_policies(policies)
+        for tuned in ("eagle3-best", "static-best"):
+            if tuned in policies and not tune_prompts:
+                raise ValueError(f"policy {tuned!r} needs tune_prompts to choose its tree")
     emulated = str(device) == "cpu"
+    if twin is not None:
+        from .twin import get_twin
+
+        if not emulated:
+            raise ValueError("a device twin models the GPU timeline on a CPU host; run it with device='cpu'")
+        twin = get_twin(twin)
     host = host_info()  # now: the code that runs, not whatever is checked out when the grid ends
 
     def encode(texts: list[str]) -> list[torch.Tensor]:
@@ -339,26 +514,46 @@ def run_benchmark(
     ids = {c: encode(ps) for c, ps in prompts.items()}
     tune_ids = {c: encode(ps) for c, ps in (tune_prompts or {}).items()}
     regimes: list[LinkRegime | None] = [REGIMES[x] if isinstance(x, str) else x for x in links] if emulated else [None]
+    if twin is not None:
+        regimes = [None]
     first = next(iter(ids.values()))[0]
-    cached_step = measure_cached_step(target, first) if emulated else float("nan")
+    cached_step = measure_cached_step(target, first) if emulated and twin is None else float("nan")
     rows: list[dict[str, Any]] = []
     cells = [(c, f, regime) for f in cache_fractions for regime in regimes for c in ids]
     bar = tqdm(total=len(cells), desc="benchmark cells", disable=not progress)
     tuning: dict[str, Any] = {}
     for category, fraction, regime in cells:
-        link_name = regime.name if regime is not None else "real"
+        link_name = regime.name if regime is not None else (twin.name if twin is not None else "real")
         runtime = offload_experts(target, device=device, cache_fraction=fraction, policy=offload_policy)
+        timeline = None
         try:
             if regime is not None:
                 runtime.link = link_for_regime(regime, runtime, cached_step, virtual=virtual_link)
-            best_n = None
-            wants_best = variants is None and (policies is None or "eagle3-best" in policies)
-            if category in tune_ids and wants_best:
+            if twin is not None:
+                from .twin import TwinTimeline
+
+                timeline = TwinTimeline(twin, target, draft).attach()
+            best_n, best_static = None, None
+            cell_key = f"{category}/{fraction}/{link_name}"
+
+            def wanted(label: str) -> bool:
+                return variants is None and category in tune_ids and (policies is None or label in policies)
+
+            if wanted("eagle3-best"):
                 best_n, scores = tune_fixed_n(target, draft, tune_ids[category], max_new_tokens, tune_candidates)
-                tuning[f"{category}/{fraction}/{link_name}"] = {"best_n": best_n, "tokens_per_s": scores}
-            vs = list(variants) if variants is not None else default_variants(best_n)
-            if policies is not None:
-                vs = [v for v in vs if v.label in policies]
+                tuning.setdefault(cell_key, {}).update(best_n=best_n, decode_tokens_per_s=scores)
+            if wanted("static-best"):
+                best_static, scores = tune_static(target, draft, tune_ids[category], max_new_tokens)
+                tuning.setdefault(cell_key, {}).update(static_best=best_static, static_decode_tokens_per_s=scores)
+            if variants is not None:
+                vs = list(variants)
+            else:
+                vs = default_variants(best_n, static_best=best_static)
+                if policies is not None:
+                    extra = [static_variant(p) for p in policies if p.startswith("static:")]
+                    vs = [v for v in vs if v.label in policies and not v.label.startswith("static:")] + extra
+                    order = {p: i for i, p in enumerate(policies)}
+                    vs.sort(key=lambda v: order[v.label])
             cell_runs: list[PromptRun] = []
             reference: dict[int, list[int]] = {}
             inner = tqdm(
@@ -381,10 +576,13 @@ def run_benchmark(
             if not reference:  # no autoregressive column: use the first variant's output
                 reference = {r.prompt_index: r.new_tokens for r in cell_runs if r.run == 0 and r.variant == vs[0].label}
             for label, metrics in summarize(cell_runs, reference).items():
-                rows.append(
-                    {"category": category, "cache_fraction": fraction, "link": link_name, "policy": label, **metrics}
-                )
+                row = {"category": category, "cache_fraction": fraction, "link": link_name, "policy": label, **metrics}
+                if label == "static-best":
+                    row["static_best_shape"] = best_static
+                rows.append(row)
         finally:
+            if timeline is not None:
+                timeline.detach()
             runtime.detach()
         bar.update()
     bar.close()
@@ -397,8 +595,10 @@ def run_benchmark(
         "offload_policy": offload_policy,
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
-        "emulated_link": emulated,
-        "link_timing": ("virtual" if virtual_link else "wait") if emulated else "real",
+        "emulated_link": emulated and twin is None,
+        "link_timing": "twin" if twin is not None else (("virtual" if virtual_link else "wait") if emulated else "real"),
+        "timeline": "modeled (device twin)" if twin is not None else ("emulated link, CPU compute" if emulated else "real"),
+        **({"twin": twin.meta()} if twin is not None else {}),
         "device": str(device),
         **host,
     }
@@ -463,8 +663,11 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 _TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
-    ("tok/s", "tokens_per_s", "{:.2f}"),
+    ("decode tok/s", "decode_tokens_per_s", "{:.2f}"),
+    ("TTFT ms", "ttft_s", "{:.1f}"),
+    ("e2e tok/s", "tokens_per_s", "{:.2f}"),
     ("x AR", "speedup_vs_autoregressive", "{:.2f}"),
+    ("x static-best", "speedup_vs_static-best", "{:.2f}"),
     ("x EAGLE-3 vanilla", "speedup_vs_eagle3-vanilla", "{:.2f}"),
     ("x EAGLE-3 same cache", "speedup_vs_eagle3", "{:.2f}"),
     ("accepted len", "mean_accepted", "{:.2f}"),
@@ -477,7 +680,10 @@ _TABLE_COLUMNS = (
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """One markdown table per (category, cache fraction, link) cell."""
+    """One markdown table per (category, cache fraction, link) cell.
+
+    Speed-up columns are decode-phase ratios; TTFT and end-to-end tok/s sit beside them.
+    """
     out = []
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -492,6 +698,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 value = r.get(key)
                 if key == "bytes_per_token" and value is not None:
                     value = value / 1e6
+                if key == "ttft_s" and value is not None:
+                    value = value * 1e3
                 if value is None or (isinstance(value, float) and math.isnan(value)):
                     cells_txt.append("–")
                 else:
@@ -503,26 +711,46 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 _CATEGORY_NAMES = {"summarization": "CNN/DailyMail", "math_reasoning": "GSM8K"}
 
 
-def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
-    """Markdown table: ``policy``'s tok/s relative to each baseline, one line per cell.
+def _best_static(by: dict[str, dict]) -> dict | None:
+    """The ``static:*`` row with the best decode tok/s of one cell (None without any)."""
+    static = [r for p, r in by.items() if p.startswith("static:")]
+    return max(static, key=lambda r: r["decode_tokens_per_s"]) if static else None
 
-    Also gives ``policy``'s and EAGLE-3's mean accepted length and whether every policy's
-    output in the cell was token-identical to autoregressive decoding.
+
+def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
+    """Markdown table: ``policy``'s decode tok/s relative to each baseline, one line per cell.
+
+    Ratios are decode-phase (tokens after the first / seconds after it); ``policy``'s and
+    autoregressive TTFT are given beside them, then ``policy``'s and EAGLE-3's mean accepted
+    length and whether every policy's output in the cell was token-identical to
+    autoregressive decoding.  "best static" is the best ``static:*`` row of the cell
+    (chosen after the fact, on the evaluated prompts); ``static-best`` the one tuned on
+    other prompts.
     """
     baselines = (("eagle3", "vs EAGLE-3, same cache"), ("eagle3-vanilla", "vs EAGLE-3 vanilla"),
-                 ("eagle3-best", "vs best fixed N"), ("autoregressive", "vs autoregressive"))
+                 ("eagle3-best", "vs best fixed N"), ("static-best", "vs static-best (tuned)"),
+                 ("autoregressive", "vs autoregressive"))
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         cells.setdefault((r["link"], r["category"], r["cache_fraction"]), {})[r["policy"]] = r
-    head = ["link", "dataset", "cache", *[name for _, name in baselines], f"{policy} τ / EAGLE-3 τ", "all identical"]
+    head = ["link", "dataset", "cache", f"{policy} decode tok/s", *[name for _, name in baselines],
+            "vs best static:* row", f"TTFT ms {policy} / AR", f"{policy} τ / EAGLE-3 τ", "all identical"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def decode(r: dict) -> float:
+        return r.get("decode_tokens_per_s", r["tokens_per_s"])  # results from before decode-phase timing
+
     for (link, category, fraction), by in sorted(cells.items()):
         if policy not in by:
             continue
         mine = by[policy]
-        line = [f"`{link}`", _CATEGORY_NAMES.get(category, category), f"{fraction:.0%}"]
+        line = [f"`{link}`", _CATEGORY_NAMES.get(category, category), f"{fraction:.0%}", f"{decode(mine):.2f}"]
         for base, _ in baselines:
-            line.append(f"{mine['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x" if base in by else "–")
+            line.append(f"{decode(mine) / decode(by[base]):.2f}x" if base in by else "–")
+        best = _best_static(by)
+        line.append(f"{decode(mine) / decode(best):.2f}x (`{best['policy'][7:]}`)" if best else "–")
+        ar = by.get("autoregressive", {})
+        line.append(f"{1e3 * mine.get('ttft_s', math.nan):.1f} / {1e3 * ar.get('ttft_s', math.nan):.1f}")
         tau = by["eagle3"]["mean_accepted"] if "eagle3" in by else float("nan")
         line.append(f"{mine['mean_accepted']:.2f} / {tau:.2f}")
         line.append("yes" if all(r["outputs_identical_to_autoregressive"] for r in by.values()) else "**no**")
@@ -562,12 +790,15 @@ def write_report(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
         ax.set_xticklabels([f"{_CATEGORY_NAMES.get(c, c)}\ncache {f:.0%}" for c, f in cells], fontsize=8)
-        ax.set_ylabel("tok/s vs autoregressive")
+        ax.set_ylabel("decode tok/s vs AR")
         ax.set_title(f"link {link}", fontsize=9)
     top = max([r.get("speedup_vs_autoregressive", 1.0) for r in rows] + [1.0])
     axes[0, 0].set_ylim(0, 1.3 * top)  # headroom for the legend
     axes[0, 0].legend(fontsize=7, ncol=min(len(policies), 6), loc="upper center")
-    fig.suptitle("speed-up over autoregressive decoding" + (" (emulated link)" if results.get("meta", {}).get("emulated_link", True) else ""))
+    meta = results.get("meta", {})
+    note = " (MODELED GPU timeline: device twin)" if "twin" in meta else (
+        " (emulated link)" if meta.get("emulated_link", True) else "")
+    fig.suptitle("decode-phase speed-up over autoregressive decoding" + note)
     fig.tight_layout()
     paths["speedup_png"] = out / "speedup.png"
     fig.savefig(paths["speedup_png"], dpi=110)

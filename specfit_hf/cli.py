@@ -49,6 +49,24 @@ def _add_link_timing_arg(p: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def _add_twin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--twin", default=None, metavar="MODEL@DEVICE-LINK[+graphs]",
+        help="charge a device twin's MODELED GPU time for forwards and expert transfers instead of this CPU's "
+        "(specfit_hf.twin; e.g. qwen3-30b-a3b@rtx4090-pcie4); --link/--link-gbps are then ignored",
+    )
+
+
+def _check_twin(name: str | None) -> None:
+    if name is not None:
+        from .twin import get_twin
+
+        try:
+            get_twin(name)
+        except KeyError as e:
+            raise SystemExit(f"specfit: {e.args[0]}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
+    _add_twin_arg(g)
 
     b = sub.add_parser("bench", help="side-by-side benchmark of decoding policies")
     _add_model_args(b)
@@ -68,15 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", action="append", choices=["cnn_dailymail", "gsm8k"], default=None,
                    help="local dataset(s) from ../shared/data (repeatable; default both when --prompts is absent)")
     b.add_argument("--num-prompts", type=int, default=8, help="prompts per category")
-    b.add_argument("--tune-prompts", type=int, default=2, help="other prompts per category to tune the best fixed N (0: skip)")
-    b.add_argument("--policies", nargs="+", default=None, help="subset of the variant labels to run")
+    b.add_argument("--tune-prompts", type=int, default=2,
+                   help="other prompts per category (disjoint from the evaluated ones) to tune eagle3-best's N and "
+                   "static-best's shape on (0: skip both)")
+    b.add_argument("--policies", nargs="+", default=None,
+                   help="columns to run: autoregressive eagle3 eagle3-vanilla eagle3-best specfit oracle, 'static' "
+                   "(every static tree of the family: chains d1-d4, d3k2n4, d4k3n8, d7k10n60), "
+                   "static:d<depth>k<top_k>n<nodes>, static-best (default: all)")
     b.add_argument("--cache-fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     b.add_argument("--link", nargs="+", default=["qwen3-pcie4"], help="link regimes")
     b.add_argument("--runs", type=int, default=1)
-    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--max-new-tokens", type=int, default=128,
+                   help="new tokens per generation (default 128; decode tok/s is timed after the first)")
     b.add_argument("--max-source-chars", type=int, default=1500, help="shorten articles/questions to this many chars")
     b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
     _add_link_timing_arg(b, default="virtual")
+    _add_twin_arg(b)
 
     r = sub.add_parser("report", help="merge several bench results.json files into one report")
     r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
@@ -168,11 +194,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .generation import SpecFitConfig
     from .clock import clock
 
+    _check_twin(args.twin)
     device = _device(args.device)
+    if args.twin is not None and device != "cpu":
+        raise SystemExit("specfit: --twin models a GPU timeline on a CPU host; use --device cpu")
     target, draft, tok = load_pair(args.model, args.draft, device)
     ids = tok(args.prompt, return_tensors="pt").input_ids.to(device)
-    cached_step = measure_cached_step(target, ids, new_tokens=8, repeats=1) if device == "cpu" and args.link_gbps is None else None
+    emulate = device == "cpu" and args.link_gbps is None and args.twin is None
+    cached_step = measure_cached_step(target, ids, new_tokens=8, repeats=1) if emulate else None
     runtime = _attach_offload(target, args, device, cached_step)
+    timeline = None
+    if args.twin is not None:
+        from .twin import TwinTimeline
+
+        timeline = TwinTimeline(args.twin, target, draft).attach()
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     config = SpecFitConfig(policy=args.policy, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **sampling)
     torch.manual_seed(args.seed)
@@ -184,18 +219,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     new = out.sequences.shape[1] - ids.shape[1]
     cycles = out.cycles or []
     tau = statistics.fmean(c.tokens_committed for c in cycles) if cycles else float("nan")
+    if timeline is not None:
+        timing = f"MODELED on device twin {timeline.twin.name} ({timeline.twin.description})"
+        timeline.detach()
+    elif runtime.link is not None:
+        timing = f"emulated link {runtime.link.gbps:.4g} GB/s + {runtime.link.latency_us:.3g} us per expert"
+    else:
+        timing = f"real {device} link"
     print(
         f"\n[{args.policy}] {new} tokens in {seconds:.2f}s = {new / seconds:.2f} tok/s | "
         f"mean accepted length {tau:.2f} | experts loaded/token {runtime.stats.total.misses / max(1, new):.2f} | "
-        f"link {'emulated ' + str(runtime.link) if runtime.link is not None else device}"
+        f"{timing}"
     )
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import default_variants, run_benchmark, write_report
+    from .bench import expand_policies, run_benchmark, write_report
     from .data import load_prompts
 
+    _check_twin(args.twin)
+    if args.policies:  # before loading anything: a typo fails at once
+        try:
+            args.policies = expand_policies(args.policies)
+        except ValueError as e:
+            raise SystemExit(f"specfit: {e}") from e
     device = _device(args.device)
     if device != "cpu":
         raise SystemExit("specfit bench runs the emulated-link CPU benchmark; use examples/bench_gpu.py on CUDA hosts")
@@ -215,12 +263,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if args.tune_prompts:
                 tune[category] = [r["prompt"] for r in rows[args.num_prompts:]]
     if args.policies:
-        known = {v.label for v in default_variants(best_n=0)}
-        unknown = sorted(set(args.policies) - known)
-        if unknown:
-            raise SystemExit(f"specfit: unknown policies {unknown}; choose from {sorted(known)}")
-        if "eagle3-best" in args.policies and not tune:
-            raise SystemExit("specfit: eagle3-best needs --tune-prompts > 0")
+        for tuned in ("eagle3-best", "static-best"):
+            if tuned in args.policies and not tune:
+                raise SystemExit(f"specfit: {tuned} needs --tune-prompts > 0")
     results = run_benchmark(
         target,
         draft,
@@ -233,6 +278,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         tune_prompts=tune or None,
         virtual_link=args.link_timing == "virtual",
+        twin=args.twin,
     )
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())

@@ -15,12 +15,16 @@ depends on another stage's internals to tell the time.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Callable, Iterator
 
-__all__ = ["clock", "advance", "offset"]
+__all__ = ["clock", "advance", "offset", "simulated"]
 
-# Seconds that emulation has added to (or, when negative, taken from) perf_counter.
+# Seconds that emulation has added to (or, when negative, taken from) the source.
 _offset = 0.0
+# Where real time comes from: perf_counter, or a frozen value inside ``simulated()``.
+_source: Callable[[], float] = time.perf_counter
 
 
 def clock() -> float:
@@ -29,7 +33,7 @@ def clock() -> float:
     Identical to ``time.perf_counter`` unless emulation is in use; time every interval that
     may contain emulated work with this.
     """
-    return time.perf_counter() + _offset
+    return _source() + _offset
 
 
 def advance(seconds: float) -> None:
@@ -41,3 +45,21 @@ def advance(seconds: float) -> None:
 def offset() -> float:
     """The total emulated offset so far (seconds)."""
     return _offset
+
+
+@contextlib.contextmanager
+def simulated() -> Iterator[None]:
+    """Inside, real time stands still: :func:`clock` moves only by :func:`advance`.
+
+    Every duration is then what emulation charged (emulated transfers, modeled forwards),
+    so a run is deterministic: the same decisions, whatever the machine is doing.  Used to
+    replay policy decisions exactly (tests) and to check a timing model.
+    """
+    global _source
+    frozen = time.perf_counter()
+    previous = _source
+    _source = lambda: frozen  # noqa: E731
+    try:
+        yield
+    finally:
+        _source = previous

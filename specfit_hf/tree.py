@@ -1,6 +1,8 @@
 """Plain data types passed between the stages of one decoding cycle.
 
-    draft  --DraftTree-->  select  --Selection-->  verify  --VerifyResult-->  commit
+    draft  --DraftTree-->  select  --Selection-->  verify  --VerifyResult-->  commit  --CycleRecord-->  observe
+
+A policy reads what it may know about the generation from a :class:`CycleContext`.
 
 A cycle starts from the *root*: the last committed token, which the target has not
 processed yet.  The draft grows a tree below the root level by level; a selection
@@ -14,11 +16,19 @@ always precede children).  Depth 1 means "child of the root".
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
-__all__ = ["DraftTree", "Selection", "VerifyResult"]
+if TYPE_CHECKING:  # annotations only: the offload stage never imports this module's users
+    from transformers import GenerationConfig, PreTrainedModel
+
+    from .offload.view import ExpertCacheView
+
+__all__ = ["DraftTree", "Selection", "VerifyResult", "CycleRecord", "CycleContext", "OracleProbe"]
 
 
 @dataclass
@@ -36,9 +46,7 @@ class DraftTree:
         hidden: ``[N, D]`` the draft's hidden state after consuming each node's token, or
             ``None`` when the drafter exposes none.  Expert predictors read it.
         root_hidden: ``[D]`` the draft's hidden state for the root token, or ``None``.
-        expanded: ``[N]`` bool, whether the drafter has already run this node (its
-            children may exist).  Frontier = the newest level.
-        num_levels: how many levels have been drafted.
+        num_levels: how many levels have been drafted (the frontier is the newest level).
     """
 
     root_token: int
@@ -131,7 +139,8 @@ class Selection:
 
     ``nodes`` are sorted tree indices, ancestor-closed; empty means a plain decode step
     (only the root is verified).  The predicted figures are filled by policies that
-    model the cycle (``specfit``); others leave them ``nan``.
+    model the cycle (``specfit``); others leave them ``nan``.  ``expand`` / ``children``
+    steer the next draft level (the drafting width is the policy's decision too).
     """
 
     nodes: torch.Tensor
@@ -139,6 +148,11 @@ class Selection:
     predicted_time: float = float("nan")
     throughput: float = float("nan")
     stop: bool = False  # the policy asks the drafter to stop expanding
+    # How to draft the next level (unless ``stop``): which nodes of the newest level to
+    # expand and how many children each gets; ``None`` leaves it to the drafter's own
+    # rule (the ``tree_top_k`` most likely nodes, ``tree_top_k`` children each).
+    expand: torch.Tensor | None = None
+    children: int | None = None
 
     def __len__(self) -> int:
         return int(self.nodes.numel())
@@ -161,3 +175,75 @@ class VerifyResult:
     accepted_positions: list[int]
     new_tokens: list[int]
     bonus_token: int
+
+
+@dataclass
+class CycleRecord:
+    """What one draft / select / verify cycle did and cost (the policy learns from it).
+
+    Attributes:
+        nodes_drafted: nodes in the draft tree.
+        nodes_verified: selected nodes verified with the root (root excluded).
+        tokens_accepted: draft nodes accepted (the bonus token not counted).
+        tokens_committed: tokens appended to the sequence (accepted + bonus, after any
+            truncation by max_new_tokens / eos); the accepted length tau.
+        cycle_seconds / draft_seconds / select_seconds / verify_seconds: time on
+            :func:`specfit_hf.clock.clock` of the whole cycle / the drafter / the policy /
+            target forward + acceptance.
+        levels_drafted: draft levels grown this cycle (0: a plain decode step).
+        experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
+            ``None`` without a runtime.
+        expected_tokens / predicted_time: the policy's predictions for its selection
+            (``nan`` when the policy does not model them).
+    """
+
+    nodes_drafted: int
+    nodes_verified: int
+    tokens_accepted: int
+    tokens_committed: int
+    cycle_seconds: float
+    draft_seconds: float
+    select_seconds: float
+    verify_seconds: float
+    levels_drafted: int = 0
+    experts_loaded: int | None = None
+    expected_tokens: float = math.nan
+    predicted_time: float = math.nan
+
+
+@dataclass
+class OracleProbe:
+    """What the target does on a whole draft tree, measured without committing anything.
+
+    Attributes:
+        target_tokens: ``[1 + N]`` the target's (greedy) next token after the root
+            (index 0) and after each node ``v`` (index ``1 + v``).
+        routing: ``[1 + N, L, k]`` experts the target routes the root and each node to at
+            each MoE layer, or ``None`` without offloaded experts.
+    """
+
+    target_tokens: torch.Tensor
+    routing: np.ndarray | None = None
+
+
+@dataclass
+class CycleContext:
+    """What a selection policy may read about the current ``generate`` call.
+
+    Attributes:
+        target: the target model.
+        config: the ``SpecFitConfig`` in use.
+        experts: read-only view of the target's offloaded experts (residency, routing,
+            routers), or ``None`` when the experts are not offloaded.
+        draft: the draft model (``assistant_model``), or ``None``.
+        prefix_len: tokens in the target cache before this cycle's root.
+        oracle_probe: ``tree -> OracleProbe`` (the loop provides it; only the benchmark's
+            "oracle" policy calls it), or ``None``.
+    """
+
+    target: PreTrainedModel | None
+    config: GenerationConfig
+    experts: ExpertCacheView | None = None
+    draft: torch.nn.Module | None = None
+    prefix_len: int = 0
+    oracle_probe: Callable[[DraftTree], OracleProbe] | None = None

@@ -6,7 +6,20 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from specfit_hf.bench import PromptRun, Variant, merge_results, run_benchmark, speedup_summary, summarize, write_report
+from specfit_hf.bench import (
+    STATIC_FAMILY,
+    PromptRun,
+    Variant,
+    expand_policies,
+    merge_results,
+    run_benchmark,
+    speedup_summary,
+    static_family,
+    static_label,
+    static_variant,
+    summarize,
+    write_report,
+)
 from specfit_hf.quality import FinalAnswerAccuracy, Rouge, gsm8k_final_answer
 from specfit_hf.regimes import REGIMES, LinkRegime, emulated_gbps, emulated_link_params
 
@@ -50,15 +63,22 @@ def test_regime_ratio_carries_over():
 
 
 def test_summarize_speedups_and_identity():
+    # (ttft, decode seconds, decode tokens): the prefill dominates end to end, decode differs
     runs = [
-        PromptRun("autoregressive", 0, 0, [1, 2, 3, 4], 2.0, 4, 1.0, 8, 800),
-        PromptRun("specfit", 0, 0, [1, 2, 3, 4], 1.0, 2, 2.0, 4, 400, [0.4, 0.5], [0.5, 0.5], 0.1),
-        PromptRun("eagle3", 0, 0, [1, 2, 3, 5], 4.0, 1, 4.0, 16, 1600),
+        PromptRun("autoregressive", 0, 0, [1, 2, 3, 4], 2.0, 4, 1.0, 8, 800, ttft_seconds=0.5,
+                  decode_seconds=1.5, decode_tokens=3),
+        PromptRun("specfit", 0, 0, [1, 2, 3, 4], 1.0, 2, 2.0, 4, 400, [0.4, 0.5], [0.5, 0.5], 0.1,
+                  ttft_seconds=0.7, decode_seconds=0.3, decode_tokens=3),
+        PromptRun("eagle3", 0, 0, [1, 2, 3, 5], 4.0, 1, 4.0, 16, 1600, ttft_seconds=1.0, decode_seconds=3.0,
+                  decode_tokens=3),
     ]
     rows = summarize(runs, {0: [1, 2, 3, 4]})
     assert rows["specfit"]["tokens_per_s"] == pytest.approx(4.0)
-    assert rows["specfit"]["speedup_vs_autoregressive"] == pytest.approx(2.0)
-    assert rows["specfit"]["speedup_vs_eagle3"] == pytest.approx(4.0)
+    assert rows["specfit"]["decode_tokens_per_s"] == pytest.approx(10.0)
+    assert rows["specfit"]["ttft_s"] == pytest.approx(0.7)
+    assert rows["specfit"]["speedup_vs_autoregressive"] == pytest.approx(5.0)  # decode phase: 10 / 2
+    assert rows["specfit"]["e2e_speedup_vs_autoregressive"] == pytest.approx(2.0)
+    assert rows["specfit"]["speedup_vs_eagle3"] == pytest.approx(10.0)
     assert rows["specfit"]["experts_loaded_per_token"] == pytest.approx(1.0)
     assert rows["specfit"]["cycle_time_mape_pct"] == pytest.approx(10.0)
     assert rows["specfit"]["selection_overhead_share"] == pytest.approx(0.1)
@@ -80,11 +100,13 @@ def test_run_benchmark_grid_and_report(pair, tmp_path):
     rows = results["runs"]
     assert len(rows) == 2 * 2 * 3  # categories x cache fractions x policies
     for row in rows:
-        for key in ("category", "cache_fraction", "link", "policy", "tokens_per_s", "mean_accepted",
-                    "experts_loaded_per_token", "outputs_identical_to_autoregressive"):
+        for key in ("category", "cache_fraction", "link", "policy", "tokens_per_s", "decode_tokens_per_s", "ttft_s",
+                    "mean_accepted", "experts_loaded_per_token", "outputs_identical_to_autoregressive"):
             assert key in row
         assert row["outputs_identical_to_autoregressive"] is True  # greedy speculation is lossless
-        assert row["tokens_per_s"] > 0
+        assert row["tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
+        # the prefill is part of end-to-end time only; first token comes after the start
+        assert 0 < row["ttft_s"] < 8 / row["tokens_per_s"]
     by = {(r["category"], r["cache_fraction"], r["policy"]): r for r in rows}
     # the draft equals the target, so trees are accepted deeply
     assert by[("math_reasoning", 0.25, "eagle3")]["mean_accepted"] > 1.5
@@ -122,6 +144,42 @@ def test_policies_filter_and_bad_policy_names(pair):
         run_benchmark(target, draft, CharTokenizer(), prompts, links=(FAST,), policies=["eagle4"], progress=False)
     with pytest.raises(ValueError, match="tune_prompts"):
         run_benchmark(target, draft, CharTokenizer(), prompts, links=(FAST,), policies=["eagle3-best"], progress=False)
+    with pytest.raises(ValueError, match="tune_prompts"):
+        run_benchmark(target, draft, CharTokenizer(), prompts, links=(FAST,), policies=["static-best"], progress=False)
+    with pytest.raises(ValueError, match="bad static tree label"):
+        run_benchmark(target, draft, CharTokenizer(), prompts, links=(FAST,), policies=["static:chain3"], progress=False)
+
+
+def test_static_family_expansion_and_labels():
+    labels = expand_policies(["autoregressive", "static", "specfit", "static:d5k1n5"])
+    assert labels[0] == "autoregressive" and labels[-1] == "static:d5k1n5"
+    for chain in ("static:d1k1n1", "static:d2k1n2", "static:d3k1n3", "static:d4k1n4"):
+        assert chain in labels
+    assert "static:d3k2n4" in labels and "static:d4k3n8" in labels and "static:d7k10n60" in labels
+    v = static_variant("static:d4k3n8")
+    assert v.policy == "eagle3" and v.config == {"max_depth": 4, "tree_top_k": 3, "max_verify_nodes": 8}
+    assert static_label(2, 1, 2) == "static:d2k1n2"
+    assert len(static_family()) == len(STATIC_FAMILY)
+    with pytest.raises(ValueError, match="unknown policies"):
+        expand_policies(["statik"])
+    with pytest.raises(ValueError, match=">= 1"):
+        static_variant("static:d0k1n1")
+
+
+def test_static_best_is_tuned_on_other_prompts(pair):
+    target, draft = pair
+    prompts = {"math_reasoning": ["Question: 2+2?"]}
+    tune = {"math_reasoning": ["Question: 3+3?"]}
+    results = run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.5,), links=(FAST,),
+                            policies=["autoregressive", "static:d1k1n1", "static:d2k1n2", "static-best"],
+                            tune_prompts=tune, max_new_tokens=6, progress=False)
+    by = {r["policy"]: r for r in results["runs"]}
+    assert set(by) == {"autoregressive", "static:d1k1n1", "static:d2k1n2", "static-best"}
+    tuning = results["meta"]["tuning"]["math_reasoning/0.5/fast-test"]
+    assert set(tuning["static_decode_tokens_per_s"]) == {v.label for v in static_family()}
+    assert by["static-best"]["static_best_shape"] == tuning["static_best"]
+    assert by["static-best"]["outputs_identical_to_autoregressive"] is True
+    assert "speedup_vs_static-best" in by["autoregressive"]
 
 
 def test_merge_results_concatenates_cells_and_refuses_duplicates(tmp_path):
@@ -141,7 +199,8 @@ def test_merge_results_concatenates_cells_and_refuses_duplicates(tmp_path):
     assert len(merged["meta"]["parts"]) == 2
     summary = speedup_summary(merged["runs"]).splitlines()
     assert len(summary) == 2 + 2  # header, rule, one line per cell
-    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | – | – | – | 1.00x | 1.00 / nan | yes |" in summary
+    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | 1.00 | – | – | – | – | 1.00x | – | nan / nan | 1.00 / nan | yes |" \
+        in summary
     with pytest.raises(ValueError, match="more than one"):
         merge_results([a, a])
     for name, res in (("a", a), ("b", b)):

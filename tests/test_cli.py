@@ -40,3 +40,38 @@ def test_spec_bench_file_in_shared_data_parses():
     prompts = read_prompts_file(path)
     assert sum(len(v) for v in prompts.values()) == 480
     assert "summarization" in prompts and "math_reasoning" in prompts
+
+
+def test_demo_prints_decode_rate_ttft_and_an_answer(capsys):
+    from specfit_hf.data import default_model_paths
+
+    try:
+        paths = default_model_paths()
+    except FileNotFoundError:
+        pytest.skip("embedded model pair not present")
+    if not paths.target.is_dir():
+        pytest.skip("embedded model pair not present")
+    from specfit_hf.demo import main
+
+    try:
+        rc = main(["--prompts", "1", "--tune-prompts", "0", "--max-new-tokens", "8"])
+    except FileNotFoundError:
+        pytest.skip("shared data not present")
+    out = capsys.readouterr().out
+    assert rc == 0
+    for words in ("decode tok/s", "first token", "plain decoding", "static tree d2k1n2", "EAGLE-3", "SpecFit",
+                  "One answer", "answer:"):
+        assert words in out
+    assert "EmulatedLink(" not in out and "OffloadRuntime(" not in out  # no raw reprs
+
+
+def test_demo_and_generate_reject_unknown_twin():
+    from specfit_hf.cli import main
+    from specfit_hf.demo import main as demo
+
+    with pytest.raises(SystemExit):
+        demo(["--twin", "nope@nowhere"])
+    with pytest.raises(SystemExit, match="unknown twin"):
+        main(["generate", "--prompt", "x", "--twin", "nope@nowhere"])
+    args = build_parser().parse_args(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4"])
+    assert args.twin == "qwen3-30b-a3b@rtx4090-pcie4" and args.max_new_tokens == 128

@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from specfit_hf.generation import Drafter, SpecFitConfig, TreeCandidateGenerator, accept
-from specfit_hf.selection import CycleContext, get_policy
+from specfit_hf.selection import get_policy
+from specfit_hf.tree import CycleContext
 from specfit_hf.tree import DraftTree
 
 from test_generation import noisy_copy, one_thread, tiny_llama  # noqa: F401  (one_thread is a fixture)
@@ -64,7 +65,7 @@ class ScriptedDrafter(Drafter):
 def _candidates(levels, max_verify_nodes=100):
     cfg = SpecFitConfig(max_depth=len(levels), tree_top_k=4, max_verify_nodes=max_verify_nodes)
     policy = get_policy("eagle3", cfg)
-    ctx = CycleContext(target=None, runtime=None, config=cfg)
+    ctx = CycleContext(target=None, config=cfg)
     gen = TreeCandidateGenerator(ScriptedDrafter(levels), policy, ctx, cfg.max_depth, "cpu", torch.float32)
     return gen.propose(root_token=0, prefix_len=3)
 

@@ -8,8 +8,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import specfit_hf.selection.search as search
 from specfit_hf.selection import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
 from specfit_hf.tree import Selection
+
+
+@pytest.fixture(autouse=True)
+def dinkelbach_on_small_trees(monkeypatch):
+    """Instances here are small: make the search run its Dinkelbach / min-cut path on them
+    (small trees are otherwise enumerated; ``test_enumeration_matches_dinkelbach`` covers that)."""
+    monkeypatch.setattr(search, "_ENUMERATE_SETS", 0)
 
 
 def _objective(parents, path_prob, node_experts, root_experts, cached, cost, selected) -> float:
@@ -275,7 +283,7 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
     scipy's int32 flow arithmetic, and the 'infinite' edge child -> parent was cut."""
     from pathlib import Path
 
-    import specfit_hf.selection.search as search
+    import specfit_hf.selection.mincut as mincut
 
     data = np.load(Path(__file__).parent / "data" / "search_int32_overflow.npz")
     inst = (data["sp"], data["path"], data["ne"], data["re"], data["cached"], CostModel(*data["cost"]))
@@ -285,5 +293,20 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
     mask[sel.nodes.numpy()] = True
     assert problem.is_closed(mask)
     # a much coarser integer scale must reach the same optimum (the refinement is exact)
-    monkeypatch.setattr(search, "_INT_SCALE", float(2**16))
+    monkeypatch.setattr(mincut, "_INT_SCALE", float(2**16))
     assert select_subtree(*inst).throughput == pytest.approx(sel.throughput, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(instances())
+def test_enumeration_matches_dinkelbach(inst):
+    """Trees with few closed subsets are solved by scoring each: the same optimum as the Dinkelbach path."""
+    problem = SearchProblem(*inst)
+    masks = problem._closed_subsets(limit=1 << 12)  # instances have <= 10 nodes: at most 2^10 closed sets
+    assert masks is not None and len({m.tobytes() for m in masks}) == masks.shape[0]  # each closed set once
+    assert all(problem.is_closed(m) for m in masks)
+    enumerated = problem._enumerate(masks)
+    assert problem.is_closed(enumerated)
+    dinkelbach = problem.solve()  # the autouse fixture turned enumeration off
+    assert problem.throughput(enumerated) == pytest.approx(problem.throughput(dinkelbach), rel=1e-12)
+    assert problem.throughput(enumerated) >= brute_force(*inst) * (1 - 1e-12)

@@ -12,11 +12,9 @@ import torch
 from specfit_hf.selection import (
     AcceptanceCalibrator,
     CostModel,
-    CycleContext,
     HistoryPredictor,
+    MeasuredSpecFitPolicy,
     OnlineCostModel,
-    OracleProbe,
-    SpecFitPolicy,
     UnionQuality,
     available_policies,
     calibrate,
@@ -28,7 +26,7 @@ from specfit_hf.selection import (
 from specfit_hf.selection.acceptance import acceptance_outcomes
 from specfit_hf.testing import noisy_copy as _noisy_copy
 from specfit_hf.testing import tiny_qwen3_moe
-from specfit_hf.tree import DraftTree, Selection, VerifyResult
+from specfit_hf.tree import CycleContext, CycleRecord, DraftTree, OracleProbe, Selection, VerifyResult
 
 
 # ---------------------------------------------------------------- acceptance
@@ -161,14 +159,14 @@ def test_union_quality_counts():
 
 
 def test_history_predictor_learns_token_routing():
-    runtime = SimpleNamespace(moe_layers=[0, 1], num_experts=8, top_k=2)
-    pred = HistoryPredictor(runtime)
+    experts = SimpleNamespace(moe_layers=(0, 1), num_layers=2, num_experts=8, top_k=2)
+    pred = HistoryPredictor(experts)
     tree = _tree()
-    before = pred.predict(tree, None, np.array([0, 1]))
+    before = pred.predict(tree, np.array([0, 1]))
     assert (before < 0).all()  # nothing known yet, no fallback
     routing = np.array([[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
     pred.observe(np.array([10, 11]), routing)
-    after = pred.predict(tree, None, np.array([0, 1, 2]))
+    after = pred.predict(tree, np.array([0, 1, 2]))
     assert sorted(after[0, 0].tolist()) == [1, 2] and sorted(after[1, 1].tolist()) == [0, 7]
     assert (after[2] >= 0).all()  # unseen token 12: global frequencies
 
@@ -176,7 +174,7 @@ def test_history_predictor_learns_token_routing():
 # ---------------------------------------------------------------- policies
 def _ctx(max_depth=4, **kwargs):
     config = SimpleNamespace(max_depth=max_depth, max_verify_nodes=8, policy_kwargs=kwargs)
-    return config, CycleContext(target=None, runtime=None, config=config)
+    return config, CycleContext(target=None, config=config)
 
 
 def test_registry_has_the_policies():
@@ -219,7 +217,7 @@ def test_oracle_needs_a_probe_and_uses_the_truth():
         policy.select(tree, ctx)
     # the target continues 5 -> 10 -> 12 -> 99: nodes 0 and 2 are right, 4 (token 14) is wrong
     target_tokens = torch.tensor([10, 12, 0, 99, 0, 0])
-    ctx.extras["oracle_probe"] = lambda t: OracleProbe(target_tokens=target_tokens)
+    ctx.oracle_probe = lambda t: OracleProbe(target_tokens=target_tokens)
     sel = policy.select(tree, ctx)
     assert sel.nodes.tolist() == [0, 2] and sel.stop and sel.expected_tokens == 3.0
 
@@ -229,12 +227,12 @@ def _tiny_moe(seed=0):
     return tiny_qwen3_moe(seed, peak=8.0)  # peaked next-token distributions, as a trained model's
 
 
-_CAPTURED: list[SpecFitPolicy] = []
+_CAPTURED: list[MeasuredSpecFitPolicy] = []
 
 
 @register_policy("specfit-test-capture")
-class _CapturingSpecFit(SpecFitPolicy):
-    """The specfit policy, remembered so a test can read its online figures."""
+class _CapturingSpecFit(MeasuredSpecFitPolicy):
+    """The specfit policy (with predictor-quality reports), remembered so a test can read its figures."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -350,7 +348,7 @@ def test_specfit_with_eagle3_expert_heads_is_lossless():
         out = target.generate(ids, assistant_model=draft, generation_config=cfg)
         assert torch.equal(out.sequences, ref)
         assert sum(c.tokens_accepted for c in out.cycles) > 0
-        assert _CAPTURED[-1].predictor.name == "heads"  # "auto" picks the heads when the draft has them
+        assert _CAPTURED[-1].forecast.predictor.name == "heads"  # "auto" picks the heads when the draft has them
         assert _CAPTURED[-1].quality["policy"].blocks > 0
     finally:
         runtime.detach()
@@ -392,7 +390,7 @@ def test_calibrator_corrects_an_underconfident_draft_everywhere_and_per_rank():
 
 def _shared_ctx(draft, **kwargs):
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), **kwargs)
-    ctx.extras["drafter"] = SimpleNamespace(model=draft)
+    ctx.draft = draft
     return config, ctx
 
 
@@ -401,19 +399,17 @@ def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
     config, ctx = _shared_ctx(draft)
     first = get_policy("specfit", config)
     first.reset(ctx)
-    first.calibrator.update([0.3] * 20, [True] * 20)
+    first.acceptance.calibrator.update([0.3] * 20, [True] * 20)
     second = get_policy("specfit", config)
     second.reset(ctx)
-    assert second.calibrator is first.calibrator and second.calibrator.observations == 20
+    assert second.acceptance is first.acceptance and second.acceptance.calibrator.observations == 20
     config, ctx = _shared_ctx(draft, share_acceptance=False)
     alone = get_policy("specfit", config)
     alone.reset(ctx)
-    assert alone.calibrator.observations == 0
+    assert alone.acceptance.calibrator.observations == 0
 
 
 def test_adaptive_drafting_compares_tokens_per_wall_second():
-    from specfit_hf.generation.loop import CycleRecord
-
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
     policy = get_policy("specfit", config)
     policy.reset(ctx)
@@ -428,39 +424,39 @@ def test_adaptive_drafting_compares_tokens_per_wall_second():
                            select_seconds=0.0, verify_seconds=seconds - draft_s)
 
     ok = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
-    assert policy.drafted_rate is None and policy.level_seconds is None
+    assert policy.gate.drafted_rate is None and policy.costs.draft.t_level is None
     policy.observe(drafted, sel, ok, record(2, 0.02, 0.005))
     policy.observe(drafted, sel, ok, record(2, 0.06, 0.005))
     root_only = VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[7], bonus_token=7)
     policy.observe(plain, Selection(nodes=torch.empty(0, dtype=torch.long)), root_only, record(1, 0.03, 0.0))
     # ratio of decayed sums (ema 0.3): (0.7*2 + 2) / (0.7*0.02 + 0.06), not a mean of per-cycle rates
-    assert policy.drafted_rate == pytest.approx(3.4 / 0.074)
-    assert policy.plain_rate == pytest.approx(1 / 0.03)
-    assert policy.level_seconds == pytest.approx(0.005)
+    assert policy.gate.drafted_rate == pytest.approx(3.4 / 0.074)
+    assert policy.gate.plain_rate == pytest.approx(1 / 0.03)
+    assert policy.costs.draft.predict(1, 1) == pytest.approx(0.005)  # 1 level of 1 node, twice
 
 
 def test_search_charges_measured_loads_per_predicted_miss():
-    from specfit_hf.generation.loop import CycleRecord
-    from specfit_hf.selection.specfit import _TreePredictions
+    from specfit_hf.selection.forecast import _TreePredictions
 
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
     policy = get_policy("specfit", config)
     policy.reset(ctx)
-    assert policy.miss_scale == 1.0  # no data: the predicted misses are taken as they are
+    assert policy.costs.miss_scale == 1.0  # no data: the predicted misses are taken as they are
     tree = DraftTree(root_token=5)
     tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
-    pred = policy._pred = _TreePredictions(tree)
-    pred.root = np.array([[0], [1]])  # 2 layers, top-1
+    # 2 layers, top-1; nothing resident: root 2 + node 2 predicted misses
+    pred = policy.forecast.current = _TreePredictions(tree, np.array([[0], [1]]), np.zeros((2, 4), dtype=bool))
     pred.nodes = np.array([[[2], [3]]])
-    policy._cached = np.zeros((2, 4), dtype=bool)  # nothing resident: root 2 + node 2 predicted misses
+    sel = Selection(nodes=torch.tensor([0]))
+    assert policy.forecast.selection_missing(tree, sel) == 4
     record = CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=1, tokens_committed=2,
                          cycle_seconds=0.02, draft_seconds=0.0, select_seconds=0.0, verify_seconds=0.02,
                          experts_loaded=12)
     for _ in range(20):
-        policy._observe_miss_scale(tree, Selection(nodes=torch.tensor([0])), record)
-    assert 2.0 < policy.miss_scale <= 3.0  # 12 loaded per 4 predicted, shrunk toward 1
-    policy.cost = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
-    assert policy.cycle_cost_model(0).t_expert == pytest.approx(0.002 * policy.miss_scale)
+        policy.costs.observe(tree, sel, record, policy.forecast.selection_missing(tree, sel))
+    assert 2.0 < policy.costs.miss_scale <= 3.0  # 12 loaded per 4 predicted, shrunk toward 1
+    policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
+    assert policy.costs.cycle_model(0, 0).t_expert == pytest.approx(0.002 * policy.costs.miss_scale)
 
 
 def _drafting_policy(**kwargs):
@@ -472,8 +468,6 @@ def _drafting_policy(**kwargs):
 
 def _run_cycle(policy, ctx, committed_if_drafted, seconds_if_drafted, plain_seconds):
     """One cycle as the loop runs it: ask on the empty tree, then report what happened."""
-    from specfit_hf.generation.loop import CycleRecord
-
     skip = policy.select(DraftTree(root_token=5), ctx).stop
     if skip:
         tree, sel, committed, seconds = DraftTree(root_token=5), Selection(nodes=torch.empty(0, dtype=torch.long)), 1, plain_seconds
@@ -498,40 +492,40 @@ def test_exploration_backs_off_while_the_ranking_holds_and_resets_when_it_flips(
     explorations = [i for i, k in enumerate(kinds) if k == "D" and i > 0]
     gaps = np.diff(explorations).tolist()
     assert gaps[:3] == [8, 16, 16]  # 4 -> 8 -> 16 (capped): each confirmation doubles the interval
-    assert policy.drafting.interval == 16
+    assert policy.gate.state.interval == 16
     # now drafting pays (10 tokens in 0.1 s): the next exploration flips the ranking
     kinds, intervals = "", []
     for _ in range(30):
         kinds += _run_cycle(policy, ctx, 10, 0.1, 0.03)
-        intervals.append(policy.drafting.interval)
-    assert policy.drafted_rate > policy.plain_rate
+        intervals.append(policy.gate.state.interval)
+    assert policy.gate.drafted_rate > policy.gate.plain_rate
     assert 4 in intervals  # reset to explore_every on the flip
     assert kinds[-10:].count("D") >= 8 and "P" in kinds[-10:]  # drafting now, plain explored now and then
 
 
 def test_drafting_measurements_are_shared_per_runtime_and_draft():
-    draft, runtime = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)  # any weak-referenceable objects
+    draft, experts = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)  # any weak-referenceable objects
     config, ctx = _shared_ctx(draft, expert_predictor="none")
-    ctx.runtime = runtime
+    ctx.experts = experts
     first, second = get_policy("specfit", config), get_policy("specfit", config)
     first.reset(ctx)
     second.reset(ctx)
-    assert second.drafting is first.drafting
-    other = CycleContext(target=None, runtime=torch.nn.Linear(1, 1), config=config, extras=ctx.extras)
+    assert second.gate.state is first.gate.state and second.costs.drafting is first.gate.state
+    other = CycleContext(target=None, config=config, experts=torch.nn.Linear(1, 1), draft=draft)
     third = get_policy("specfit", config)
     third.reset(other)
-    assert third.drafting is not first.drafting
+    assert third.gate.state is not first.gate.state
     config, ctx2 = _shared_ctx(draft, share_drafting=False, expert_predictor="none")
-    ctx2.runtime = runtime
+    ctx2.experts = experts
     alone = get_policy("specfit", config)
     alone.reset(ctx2)
-    assert alone.drafting is not first.drafting
+    assert alone.gate.state is not first.gate.state
 
 
 def test_closure_guard_keeps_only_nodes_whose_ancestors_are_selected():
-    from specfit_hf.selection.specfit import _ancestor_closed, _closed_part
+    from specfit_hf.selection.search import closed_part
 
     parents = np.array([-1, 0, 1, -1, 3])
-    assert _ancestor_closed(parents, np.array([0, 1, 2, 3]))
-    assert not _ancestor_closed(parents, np.array([0, 2]))
-    assert _closed_part(parents, np.array([0, 2, 3, 4])).tolist() == [True, False, True, True]
+    assert closed_part(parents, np.array([0, 1, 2, 3])).all()
+    assert not closed_part(parents, np.array([0, 2])).all()
+    assert closed_part(parents, np.array([0, 2, 3, 4])).tolist() == [True, False, True, True]

@@ -75,14 +75,15 @@ def test_make_drafter_uses_model_factory():
 def test_candidate_generator_contract():
     """get_candidates follows transformers' CandidateGenerator contract: input ids + candidates."""
     from specfit_hf.generation import TreeCandidateGenerator
-    from specfit_hf.selection import CycleContext, get_policy
+    from specfit_hf.selection import get_policy
+    from specfit_hf.tree import CycleContext
 
     target = tiny_llama(0)
     cfg = SpecFitConfig(max_depth=2, tree_top_k=2, max_verify_nodes=5)
     drafter = make_drafter(tiny_llama(6, layers=1), target, cfg)
     prompt = torch.tensor([[1, 2, 3, 4]])
     drafter.start(prompt[:, :-1], None)  # the last prompt token plays the root
-    gen = TreeCandidateGenerator(drafter, get_policy("eagle3", cfg), CycleContext(target, None, cfg), 2, "cpu",
+    gen = TreeCandidateGenerator(drafter, get_policy("eagle3", cfg), CycleContext(target, cfg), 2, "cpu",
                                  torch.float32)
     ids, logits = gen.get_candidates(prompt)
     cand = gen.last_candidates

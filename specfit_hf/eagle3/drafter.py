@@ -31,15 +31,19 @@ for the next level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..features import decoder_layers
-from ..generation.drafter import Drafter
+from ..generation.drafter import Drafter, frontier_nodes
+from ..generation.tree_mask import grow_ancestors
 from ..tree import DraftTree, VerifyResult
-from .modeling import DraftKVCache, Eagle3DraftModel, causal_mask
+from .kv import DraftKVCache, causal_mask
+
+if TYPE_CHECKING:
+    from .modeling import Eagle3DraftModel
 
 __all__ = ["Eagle3TreeDrafter"]
 
@@ -126,22 +130,21 @@ class Eagle3TreeDrafter(Drafter):
         st.pending_features = target_features[0, -1:]
 
     @torch.no_grad()
-    def draft_level(self, tree: DraftTree) -> None:
+    def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         if self._state.pending_features is None and self._tree is None:
             raise RuntimeError("call start() before draft_level()")
+        k = self.top_k if children is None else max(1, min(int(children), self.top_k))
         if tree.num_levels == 0:
             self._begin_tree(tree)
             vals, ids = self._root_top
-            parents = torch.full((ids.numel(),), -1, dtype=torch.long)
-            self._add_level(tree, ids, vals, parents)
+            self._add_level(tree, ids[:k], vals[:k], torch.full((k,), -1, dtype=torch.long))
             return
         if tree is not self._tree:
             raise RuntimeError("draft_level() got a tree this drafter did not start")
-        newest = tree.level(tree.num_levels)
-        frontier = newest[tree.path_probs[newest].topk(min(self.top_k, newest.numel())).indices]
-        vals = self._node_top_vals[frontier].reshape(-1)
-        ids = self._node_top_ids[frontier].reshape(-1)
-        parents = frontier.repeat_interleave(self.top_k)
+        frontier = frontier_nodes(tree, expand, self.top_k)
+        vals = self._node_top_vals[frontier][:, :k].reshape(-1)
+        ids = self._node_top_ids[frontier][:, :k].reshape(-1)
+        parents = frontier.repeat_interleave(k)
         self._add_level(tree, ids, vals, parents)
 
     def _begin_tree(self, tree: DraftTree) -> None:
@@ -180,15 +183,8 @@ class Eagle3TreeDrafter(Drafter):
             raise RuntimeError("draft cache and tree are out of step")
         tokens = self.model.draft_to_target(draft_ids.to(self.device)).cpu()
         # ancestor-or-self relation among tree nodes, grown by one block per level
-        anc = torch.zeros(m, n0 + m, dtype=torch.bool)
+        anc, self._ancestors = grow_ancestors(self._ancestors, parents)
         has_parent = parents >= 0
-        if n0:
-            anc[has_parent, :n0] = self._ancestors[parents[has_parent]]
-        anc[torch.arange(m), n0 + torch.arange(m)] = True
-        grown = torch.zeros(n0 + m, n0 + m, dtype=torch.bool)
-        grown[:n0, :n0] = self._ancestors
-        grown[n0:] = anc
-        self._ancestors = grown
 
         mask = torch.full((m, self._stable_len + n0 + m), torch.finfo(self.dtype).min, dtype=self.dtype)
         mask[:, : self._stable_len] = 0
@@ -252,19 +248,3 @@ class Eagle3TreeDrafter(Drafter):
         if tree.hidden is not None:
             hidden = torch.cat([hidden, tree.hidden.to(hidden)])
         return self.model.predict_experts(hidden).cpu()
-
-    def make_state_snapshot(self) -> Any:
-        st = self._state
-        feats = None if st.pending_features is None else st.pending_features.clone()
-        return _DrafterState(st.cache.clone(), st.pending_tokens.clone(), feats, st.next_position, st.expected_root)
-
-    def restore_state_snapshot(self, snapshot: Any) -> None:
-        """Return to a state taken by :meth:`make_state_snapshot` (between cycles)."""
-        self._state = _DrafterState(
-            snapshot.cache.clone(),
-            snapshot.pending_tokens.clone(),
-            None if snapshot.pending_features is None else snapshot.pending_features.clone(),
-            snapshot.next_position,
-            snapshot.expected_root,
-        )
-        self._tree = None

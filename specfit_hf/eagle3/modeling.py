@@ -33,8 +33,9 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.utils import ModelOutput
 
-from ..generation.cache import SpecFitCache
 from .config import Eagle3Config
+from .drafter import Eagle3TreeDrafter
+from .kv import DraftKVCache, causal_mask
 
 __all__ = [
     "Eagle3DraftModel",
@@ -49,44 +50,12 @@ __all__ = [
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_mask(q_len: int, past_len: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
-    """Additive float mask ``[1, 1, q_len, past_len + q_len]``: full past, causal among new rows."""
-    mask = torch.zeros(q_len, past_len + q_len, dtype=dtype, device=device)
-    new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).triu(1)
-    mask[:, past_len:].masked_fill_(new, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``[B, nkv, S, D] -> [B, nkv * n_rep, S, D]`` (grouped-query attention)."""
     if n_rep == 1:
         return x
     b, h, s, d = x.shape
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
-
-
-class DraftKVCache(SpecFitCache):
-    """The draft's key/value store: the loop's :class:`SpecFitCache` with one layer.
-
-    The draft computes attention itself (its q/k/v read 2·H inputs), so it only needs
-    append / read-all and the cache's gather (``keep``) to drop rejected tree slots.
-    Slots are rows in creation order.
-    """
-
-    @property
-    def length(self) -> int:
-        """Number of cached slots."""
-        return self.get_seq_length(0) if self.layers else 0
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``[B, nkv, T, D]`` rows; returns the whole store."""
-        return self.update(key, value, 0)
-
-    def clone(self) -> "DraftKVCache":
-        other = DraftKVCache()
-        if self.length:
-            other.update(self.layers[0].keys.clone(), self.layers[0].values.clone(), 0)
-        return other
 
 
 class Eagle3Attention(nn.Module):
@@ -506,7 +475,5 @@ class Eagle3DraftModel(PreTrainedModel):
     # -- generation hook -----------------------------------------------------------------
     def make_tree_drafter(self, target: nn.Module, config: Any):
         """The :class:`~specfit_hf.generation.drafter.Drafter` the SpecFit loop drives."""
-        from .drafter import Eagle3TreeDrafter
-
         # SpecFitConfig.tree_top_k is the branching factor (config.top_k is the sampling top-k).
         return Eagle3TreeDrafter(self, target, top_k=int(getattr(config, "tree_top_k", 8)))

@@ -30,7 +30,7 @@ import os
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -38,7 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
 from ..features import capture_hidden_states, decoder_layers
+from ..offload.adapters import ADAPTERS
 from .config import Eagle3Config, default_feature_indices
 from .modeling import Eagle3DraftModel, repeat_kv
 
@@ -79,14 +82,12 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> torc
 
 
 def find_moe_routers(target: nn.Module) -> list[tuple[int, nn.Module]]:
-    """``(decoder layer index, router module)`` of each MoE layer (``layer.mlp.gate``)."""
-    routers = []
-    for i, layer in enumerate(decoder_layers(target)):
-        gate = getattr(getattr(layer, "mlp", None), "gate", None)
-        weight = getattr(gate, "weight", None)
-        if isinstance(gate, nn.Module) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            routers.append((i, gate))
-    return routers
+    """``(decoder layer index, router module)`` of each MoE layer (none for an unsupported architecture)."""
+    adapter = ADAPTERS.get(getattr(target.config, "model_type", None))
+    if adapter is None:
+        return []
+    blocks = ((i, adapter.moe_block(layer)) for i, layer in enumerate(decoder_layers(target)))
+    return [(i, adapter.router(block)) for i, block in blocks if block is not None]
 
 
 def _routing_top_k(target: nn.Module, router: nn.Module) -> int:
@@ -123,7 +124,7 @@ class TargetTeacher:
             by_layer = dict(find_moe_routers(target))
             missing = [i for i in moe_layers if i not in by_layer]
             if missing:
-                raise ValueError(f"target layers {missing} have no MoE router (mlp.gate)")
+                raise ValueError(f"target layers {missing} have no MoE router")
             self.routers = [(int(i), by_layer[int(i)]) for i in moe_layers]
             self.top_k = _routing_top_k(target, self.routers[0][1])
 
@@ -397,43 +398,49 @@ def pack_blocks(tokenizer: Any, docs: Iterable[str], seq_len: int, max_tokens: i
 # --------------------------------------------------------------------------- trainer
 
 
+def _flag(default: Any, help: str, **metadata: Any) -> Any:
+    """A dataclass field with its command-line help (``HfArgumentParser`` reads the metadata)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass
 class TrainConfig:
-    """Settings of :func:`train_eagle3` (the CLI flags of ``examples/train_eagle3.py``)."""
+    """Settings of :func:`train_eagle3`; ``examples/train_eagle3.py`` parses them from flags."""
 
-    target: str
-    data: list[str]
-    out: str
-    steps: int = 1000
-    seq_len: int = 256
-    batch_size: int = 4
-    ttt_steps: int = 7
-    draft_vocab: int = 8192
-    expert_heads: bool = False
-    expert_loss_weight: float = 1.0
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    threads: int = 0
-    seed: int = 0
-    resume: bool = False
-    time_budget_min: float = 0.0
-    max_steps_per_run: int = 0
-    save_every: int = 200
-    max_tokens: int = 2_000_000
-    text_field: str | None = None
-    feature_indices: list[int] | None = None
-    log_every: int = 10
+    target: str = _flag(None, "target model folder (HF layout)", required=True)
+    data: list[str] = _flag([], "training files (.txt paragraphs, .jsonl rows)", required=True)
+    out: str = _flag(None, "output folder of the trained draft", required=True)
+    steps: int = _flag(1000, "optimizer steps")
+    seq_len: int = _flag(256, "tokens per training block")
+    batch_size: int = _flag(4, "blocks per step")
+    ttt_steps: int = _flag(7, "training-time-test unrolling steps (>= 1)")
+    draft_vocab: int = _flag(8192, "draft vocabulary size (most frequent target tokens)")
+    expert_heads: bool = _flag(False, "also train expert-predictor heads for the target's MoE layers")
+    expert_loss_weight: float = _flag(1.0, "weight of the expert-prediction loss")
+    lr: float = _flag(1e-3, "AdamW peak learning rate")
+    warmup_steps: int = _flag(50, "linear warmup steps, then cosine decay to min_lr_ratio")
+    min_lr_ratio: float = _flag(0.1, "final learning rate as a fraction of lr")
+    weight_decay: float = _flag(0.0, "AdamW weight decay")
+    grad_clip: float = _flag(0.5, "gradient norm clip")
+    threads: int = _flag(0, "torch CPU threads (0: torch's default)")
+    seed: int = _flag(0, "random seed")
+    resume: bool = _flag(False, "continue from OUT/checkpoint (weights, optimizer, scheduler, data order)")
+    time_budget_min: float = _flag(0.0, "stop after this many minutes (0: no budget)")
+    max_steps_per_run: int = _flag(0, "stop this run after that many steps (0: no limit); resume later")
+    save_every: int = _flag(200, "checkpoint every N steps")
+    max_tokens: int = _flag(2_000_000, "most training tokens read from the data")
+    text_field: str | None = _flag(None, "jsonl field holding the text (default: auto-detected)")
+    feature_indices: list[int] | None = _flag(None, "the three target hidden_states indices fed to the draft",
+                                              aliases=["--layers"], nargs=3)
+    log_every: int = _flag(10, "log every N steps")
 
-
-def _lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.feature_indices is not None and len(self.feature_indices) != 3:
+            raise ValueError(f"feature_indices needs 3 hidden_states indices, got {self.feature_indices}")
 
 
 def _batch_indices(num_blocks: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
@@ -543,7 +550,7 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
         if cfg.expert_heads:
             routers = find_moe_routers(target)
             if not routers:
-                raise ValueError("--expert-heads: the target has no MoE routers (layer.mlp.gate)")
+                raise ValueError("--expert-heads: the target has no MoE routers (supported MoE architectures only)")
             expert_predictor = {
                 "moe_layers": [i for i, _ in routers],
                 "num_experts": int(routers[0][1].weight.shape[0]),
@@ -569,7 +576,8 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
 
     params = [p for n, p in draft.named_parameters() if p.requires_grad and not n.startswith("embed_tokens")]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
     step = 0
     history: list[dict] = []
     if state is not None:

@@ -1,6 +1,6 @@
 """Stages 2-3 of the cycle: draft a tree and select the subtree to verify.
 
-:class:`TreeCandidateGenerator` is a transformers ``CandidateGenerator`` whose candidates
+:func:`make_drafter` picks the drafter of a draft model.  :class:`TreeCandidateGenerator` is a transformers ``CandidateGenerator`` whose candidates
 are a *tree*: it alternates ``policy.select`` and ``drafter.draft_level`` until the
 policy says stop (or ``max_depth`` levels exist), then lays the selected nodes out as a
 verification block ``[root] + selected nodes`` (:class:`TreeCandidates`).
@@ -14,14 +14,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..clock import clock
-from ..tree import DraftTree, Selection, VerifyResult
+from ..selection import SelectionPolicy
+from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult
+from .causal_lm_drafter import CausalLMTreeDrafter
 from .drafter import Drafter
 from .tree_mask import tree_attention_mask
 
-__all__ = ["TreeCandidates", "TreeCandidateGenerator", "layout_candidates"]
+__all__ = ["TreeCandidates", "TreeCandidateGenerator", "layout_candidates", "make_drafter"]
+
+
+def make_drafter(assistant_model: torch.nn.Module, target: torch.nn.Module, config: GenerationConfig) -> Drafter:
+    """The drafter for ``assistant_model``: its own ``make_tree_drafter`` if it has one (the
+    EAGLE-3 draft does), else the generic :class:`~.causal_lm_drafter.CausalLMTreeDrafter`."""
+    factory = getattr(assistant_model, "make_tree_drafter", None)
+    if not callable(factory):
+        return CausalLMTreeDrafter(assistant_model, target, config)
+    drafter = factory(target, config)
+    if not isinstance(drafter, Drafter):
+        raise TypeError(
+            f"{type(assistant_model).__name__}.make_tree_drafter returned {type(drafter).__name__}, "
+            "which does not implement specfit_hf.generation.drafter.Drafter"
+        )
+    return drafter
 
 
 @dataclass
@@ -120,7 +138,8 @@ class TreeCandidateGenerator(CandidateGenerator):
         device / mask_dtype: where and in which dtype the target runs.
     """
 
-    def __init__(self, drafter: Drafter, policy, ctx, max_depth: int, device, mask_dtype: torch.dtype) -> None:
+    def __init__(self, drafter: Drafter, policy: SelectionPolicy, ctx: CycleContext, max_depth: int,
+                 device: torch.device | str, mask_dtype: torch.dtype) -> None:
         self.drafter = drafter
         self.policy = policy
         self.ctx = ctx
@@ -151,7 +170,10 @@ class TreeCandidateGenerator(CandidateGenerator):
         while not selection.stop and tree.num_levels < self.max_depth:
             size_before = len(tree)
             t = clock()
-            self.drafter.draft_level(tree)
+            if selection.expand is None and selection.children is None:
+                self.drafter.draft_level(tree)  # the drafter's own frontier rule
+            else:
+                self.drafter.draft_level(tree, expand=selection.expand, children=selection.children)
             draft_s += clock() - t
             t = clock()
             selection = self.policy.select(tree, self.ctx)
@@ -177,6 +199,6 @@ class TreeCandidateGenerator(CandidateGenerator):
         """Tell the drafter which path was accepted (its cache keeps only that path)."""
         self.drafter.commit(candidates.tree, result, target_features)
 
-    def observe(self, candidates: TreeCandidates, result: VerifyResult, record) -> None:
+    def observe(self, candidates: TreeCandidates, result: VerifyResult, record: CycleRecord) -> None:
         """Let the policy learn from the cycle's outcome."""
         self.policy.observe(candidates.tree, candidates.selection, result, record)

@@ -28,8 +28,8 @@ import torch
 
 from ..tree import DraftTree, VerifyResult
 from .cache import SpecFitCache
-from .drafter import Drafter
-from .tree_mask import model_tree_masks, visibility_to_mask
+from .drafter import Drafter, frontier_nodes
+from .tree_mask import grow_ancestors, model_tree_masks, visibility_to_mask
 
 __all__ = ["CausalLMTreeDrafter"]
 
@@ -116,15 +116,16 @@ class CausalLMTreeDrafter(Drafter):
         self._reset_region()
 
     @torch.no_grad()
-    def draft_level(self, tree: DraftTree) -> None:
+    def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         if self.cache is None:
             raise RuntimeError("CausalLMTreeDrafter.start() must run before draft_level()")
+        k = self.top_k if children is None else max(1, min(int(children), self.top_k))
         if tree.num_levels == 0:
-            self._draft_root_children(tree)
+            self._draft_root_children(tree, k)
         else:
-            self._draft_next_level(tree)
+            self._draft_next_level(tree, expand, k)
 
-    def _draft_root_children(self, tree: DraftTree) -> None:
+    def _draft_root_children(self, tree: DraftTree, k: int) -> None:
         # Feed committed-but-unseen tokens and the root as one chain; they become
         # committed draft positions, the root opens the tree region.
         chain_tokens = torch.tensor(self._pending + [tree.root_token], dtype=torch.long)
@@ -134,7 +135,7 @@ class CausalLMTreeDrafter(Drafter):
         self._committed_len += m - 1
         self._pending = []
         tokens, probs = self._top_children(logits)
-        k = tokens.shape[1]
+        tokens, probs = tokens[:, :k], probs[:, :k]
         root_hidden = hidden[-1]
         tree.root_hidden = root_hidden
         new = tree.add_level(
@@ -145,14 +146,15 @@ class CausalLMTreeDrafter(Drafter):
         self._node_region = torch.full((len(tree),), -1, dtype=torch.long)
         self._last_level = new
 
-    def _draft_next_level(self, tree: DraftTree) -> None:
+    def _draft_next_level(self, tree: DraftTree, expand: torch.Tensor | None, k: int) -> None:
         last = self._last_level
         if last.numel() == 0:
             return
-        # Expand the best tree_top_k nodes of the newest level (EAGLE-2 frontier).
-        k_front = min(self.top_k, last.numel())
-        frontier = last[torch.topk(tree.path_probs[last], k_front).indices]
-        frontier = frontier.sort().values
+        # Expand the best tree_top_k nodes of the newest level (EAGLE-2 frontier), or those asked for.
+        frontier = frontier_nodes(tree, expand, self.top_k).sort().values
+        k_front = frontier.numel()
+        if k_front == 0:
+            return
         tree_parents = tree.parents[frontier]
         # Region index of each frontier node's parent (the root is region index 0).
         parent_region = torch.where(tree_parents >= 0, self._node_region[tree_parents.clamp(min=0)], 0)
@@ -160,23 +162,22 @@ class CausalLMTreeDrafter(Drafter):
             raise RuntimeError("draft tree invariant broken: an expanded node's parent was never run")
         region_len = self._region_anc.shape[0]
         # A frontier node sees its parent's ancestors and itself (rows built incrementally).
-        new_rows = torch.cat([self._region_anc[parent_region], torch.eye(k_front, dtype=torch.bool)], dim=1)
+        new_rows, region_anc = grow_ancestors(self._region_anc, parent_region)
         mask = visibility_to_mask(new_rows.to(self.device), self._committed_len, dtype=self.mask_dtype)
         positions = self._committed_len + tree.depths[frontier]
         key_positions = torch.cat([torch.arange(self._committed_len), self._region_pos, positions])
         mask = model_tree_masks(self.model.config, mask, positions, key_positions)
         logits, hidden = self._forward(tree.tokens[frontier], positions, mask, k_front)
 
-        pad = torch.zeros(region_len, k_front, dtype=torch.bool)
-        self._region_anc = torch.cat([torch.cat([self._region_anc, pad], dim=1), new_rows], dim=0)
+        self._region_anc = region_anc
         self._node_region[frontier] = region_len + torch.arange(k_front)
         self._region_pos = torch.cat([self._region_pos, positions])
         if tree.hidden is not None:
             # These nodes have now been run: store their own state (see module docstring).
             tree.hidden[frontier] = hidden.to(tree.hidden)
 
-        tokens, probs = self._top_children(logits)  # [k_front, k]
-        k = tokens.shape[1]
+        tokens, probs = self._top_children(logits)  # [k_front, top_k]
+        tokens, probs = tokens[:, :k], probs[:, :k]
         new = tree.add_level(
             tokens.reshape(-1),
             frontier.repeat_interleave(k),

@@ -14,10 +14,17 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-__all__ = ["SpecFitConfig", "EAGLE3_DEFAULTS"]
+from ..selection import validate_policy
 
-#: EAGLE-2/3 reference settings (``total_token`` 60, depth 7, top-k 10).
+__all__ = ["SpecFitConfig", "EAGLE3_DEFAULTS", "MAX_TREE_TOP_K", "MAX_DEPTH"]
+
+#: EAGLE-2/3 reference settings (``total_token`` 60, depth 7, top-k 10): the one home of these numbers.
 EAGLE3_DEFAULTS = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
+#: Largest branching factor accepted: a level drafts ``tree_top_k ** 2`` nodes, and the tree
+#: mask and draft cache grow with the square of the tree size (EAGLE-3 uses 10, Qwen3 recipes 4).
+MAX_TREE_TOP_K = 32
+#: Deepest draft accepted (EAGLE-3 uses 7; acceptance decays geometrically with depth).
+MAX_DEPTH = 64
 
 # Attributes this class adds on top of GenerationConfig; used for (de)serialisation.
 _TREE_ATTRIBUTES = ("max_depth", "tree_top_k", "max_verify_nodes", "policy", "policy_kwargs")
@@ -35,8 +42,13 @@ class SpecFitConfig(GenerationConfig):
         policy: name of the selection policy (see ``specfit_hf.selection.available_policies()``):
             ``"specfit"`` (default; throughput-optimal subtree), ``"eagle3"`` (top
             ``max_verify_nodes`` by draft score), ``"autoregressive"``, ``"oracle"`` (benchmarks).
-        policy_kwargs: extra settings for the policy, stored verbatim.
+        policy_kwargs: the policy's options (``specfit``: the fields of
+            :class:`~specfit_hf.selection.SpecFitOptions`), stored verbatim and checked when
+            the config is built: an unknown key or a value of the wrong type raises ``ValueError``.
         **kwargs: any ``GenerationConfig`` argument (``max_new_tokens``, ``do_sample``, ...).
+
+    Raises ``ValueError`` for a non-integer or out-of-range tree setting, an unknown policy
+    or bad ``policy_kwargs``.
     """
 
     def __init__(
@@ -49,23 +61,27 @@ class SpecFitConfig(GenerationConfig):
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__, which calls validate().
-        self.max_depth = int(max_depth)
-        self.tree_top_k = int(tree_top_k)
-        self.max_verify_nodes = int(max_verify_nodes)
-        self.policy = str(policy)
+        self.max_depth = _integer("max_depth", max_depth)
+        self.tree_top_k = _integer("tree_top_k", tree_top_k)
+        self.max_verify_nodes = _integer("max_verify_nodes", max_verify_nodes)
+        if not isinstance(policy, str):
+            raise ValueError(f"SpecFitConfig.policy must be a policy name (str), got {policy!r}")
+        self.policy = policy
+        if policy_kwargs is not None and not isinstance(policy_kwargs, dict):
+            raise ValueError(f"SpecFitConfig.policy_kwargs must be a dict, got {type(policy_kwargs).__name__} "
+                             f"{policy_kwargs!r}")
         self.policy_kwargs = dict(policy_kwargs or {})
         super().__init__(**kwargs)
 
     def validate(self, strict: bool = False, user_set_attributes: set | None = None) -> None:  # noqa: D102
         super().validate(strict=strict, user_set_attributes=user_set_attributes)
-        if self.max_depth < 1:
-            raise ValueError(f"SpecFitConfig.max_depth must be >= 1, got {self.max_depth}")
-        if self.tree_top_k < 1:
-            raise ValueError(f"SpecFitConfig.tree_top_k must be >= 1, got {self.tree_top_k}")
+        if not 1 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"SpecFitConfig.max_depth must be in [1, {MAX_DEPTH}], got {self.max_depth}")
+        if not 1 <= self.tree_top_k <= MAX_TREE_TOP_K:
+            raise ValueError(f"SpecFitConfig.tree_top_k must be in [1, {MAX_TREE_TOP_K}], got {self.tree_top_k}")
         if self.max_verify_nodes < 0:
             raise ValueError(f"SpecFitConfig.max_verify_nodes must be >= 0, got {self.max_verify_nodes}")
-        if not isinstance(self.policy_kwargs, dict):
-            raise ValueError("SpecFitConfig.policy_kwargs must be a dict")
+        validate_policy(self.policy, self.policy_kwargs)
 
     def to_diff_dict(self) -> dict[str, Any]:
         # GenerationConfig diffs against a plain GenerationConfig(), where the tree
@@ -79,3 +95,10 @@ class SpecFitConfig(GenerationConfig):
     def tree_settings(self) -> dict[str, Any]:
         """The tree-specific settings only (handy for logs and benchmarks)."""
         return {name: getattr(self, name) for name in _TREE_ATTRIBUTES}
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int; a non-integral number or another type raises (no silent truncation)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"SpecFitConfig.{name} must be an integer, got {value!r}")
+    return int(value)

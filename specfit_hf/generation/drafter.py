@@ -18,8 +18,8 @@ need no target features leave ``target_feature_indices`` as ``None`` and get ``N
 Draft models plug in through ``assistant_model.make_tree_drafter(target, config)``
 when they define it (the EAGLE-3 draft does); any other causal LM sharing the
 target's tokenizer gets the generic top-k tree drafter
-(:class:`specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`).  :func:`make_drafter`
-applies that rule.
+(:class:`specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`).
+:func:`specfit_hf.generation.candidates.make_drafter` applies that rule.
 
 ``config`` is the :class:`~specfit_hf.generation.config.SpecFitConfig` of the call; the
 tree's branching factor is ``config.tree_top_k`` (``config.top_k`` is the *sampling*
@@ -33,13 +33,12 @@ the target produced last (at prefill, or the previous cycle's bonus token).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
 from ..tree import DraftTree, VerifyResult
 
-__all__ = ["Drafter", "make_drafter"]
+__all__ = ["Drafter", "frontier_nodes"]
 
 
 class Drafter(ABC):
@@ -53,11 +52,14 @@ class Drafter(ABC):
         """Prefill the draft on the prompt (``[1, T]``); the root comes with the first tree."""
 
     @abstractmethod
-    def draft_level(self, tree: DraftTree) -> None:
+    def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         """Add one level of children to ``tree`` (the first call adds the root's children).
 
-        Must fill tokens (target vocabulary ids), parents, draft_probs and, when the
-        drafter has one, each node's hidden state (``tree.hidden``, ``tree.root_hidden``).
+        ``expand``: the nodes of the newest level to expand (default: the drafter's own
+        frontier rule); ``children``: children per expanded node (default: the drafter's
+        branching factor; never more).  Must fill tokens (target vocabulary ids), parents,
+        draft_probs and, when the drafter has one, each node's hidden state
+        (``tree.hidden``, ``tree.root_hidden``).
         """
 
     @abstractmethod
@@ -68,23 +70,13 @@ class Drafter(ABC):
         The next cycle's root is ``result.bonus_token``.
         """
 
-    def make_state_snapshot(self) -> Any:  # pragma: no cover - optional, used by the oracle policy
-        """Optional: an opaque snapshot the oracle policy can restore to re-run a cycle."""
-        raise NotImplementedError
 
-
-def make_drafter(assistant_model: Any, target: Any, config: Any) -> Drafter:
-    """The drafter for ``assistant_model``: its own ``make_tree_drafter`` if it has one,
-    else the generic :class:`~specfit_hf.generation.causal_lm_drafter.CausalLMTreeDrafter`."""
-    factory = getattr(assistant_model, "make_tree_drafter", None)
-    if callable(factory):
-        drafter = factory(target, config)
-        if not isinstance(drafter, Drafter):
-            raise TypeError(
-                f"{type(assistant_model).__name__}.make_tree_drafter returned {type(drafter).__name__}, "
-                "which does not implement specfit_hf.generation.drafter.Drafter"
-            )
-        return drafter
-    from .causal_lm_drafter import CausalLMTreeDrafter
-
-    return CausalLMTreeDrafter(assistant_model, target, config)
+def frontier_nodes(tree: DraftTree, expand: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The newest level's nodes to expand: ``expand`` (checked), else the ``width`` most likely."""
+    newest = tree.level(tree.num_levels)
+    if expand is None:
+        return newest[tree.path_probs[newest].topk(min(width, newest.numel())).indices]
+    expand = torch.as_tensor(expand, dtype=torch.long).reshape(-1)
+    if not bool(torch.isin(expand, newest).all()):
+        raise ValueError(f"can only expand nodes of the newest level {tree.num_levels}; got {expand.tolist()}")
+    return expand

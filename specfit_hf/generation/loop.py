@@ -16,22 +16,21 @@ routes ``generate`` here when the generation config is a ``SpecFitConfig``.
 
 from __future__ import annotations
 
-import math
-import time
+import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..features import capture_hidden_states
 from ..clock import clock
-from ..selection.policy import CycleContext, get_policy
+from ..features import capture_hidden_states
+from ..offload import get_runtime
+from ..selection import get_policy
+from ..tree import CycleContext, CycleRecord
 from .cache import SpecFitCache
-from .candidates import TreeCandidateGenerator
-from .drafter import make_drafter
+from .candidates import TreeCandidateGenerator, make_drafter
 from .oracle_probe import TreeOracleProbe
 from .verify import accept, verify_forward
 
@@ -39,62 +38,10 @@ __all__ = ["CycleRecord", "SpecFitGenerateOutput", "tree_speculative_decoding"]
 
 
 @dataclass
-class CycleRecord:
-    """What one draft / select / verify cycle did and cost.
-
-    Attributes:
-        nodes_drafted: nodes in the draft tree.
-        nodes_verified: selected nodes verified with the root (root excluded).
-        tokens_accepted: draft nodes accepted (the bonus token not counted).
-        tokens_committed: tokens appended to the sequence (accepted + bonus, after any
-            truncation by max_new_tokens / eos); the accepted length tau.
-        cycle_seconds / draft_seconds / select_seconds / verify_seconds: wall time of the
-            whole cycle / the drafter / the policy / target forward + acceptance.
-        experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
-            ``None`` without a runtime.
-        expected_tokens / predicted_time: the policy's predictions for its selection
-            (``nan`` when the policy does not model them).
-    """
-
-    nodes_drafted: int
-    nodes_verified: int
-    tokens_accepted: int
-    tokens_committed: int
-    cycle_seconds: float
-    draft_seconds: float
-    select_seconds: float
-    verify_seconds: float
-    experts_loaded: int | None = None
-    expected_tokens: float = math.nan
-    predicted_time: float = math.nan
-
-
-@dataclass
 class SpecFitGenerateOutput(GenerateDecoderOnlyOutput):
     """``GenerateDecoderOnlyOutput`` plus the per-cycle records."""
 
     cycles: list[CycleRecord] | None = None
-
-
-def _offload_runtime(model) -> Any:
-    """The offload runtime attached to ``model``, if the offload stage exists and one is attached."""
-    try:
-        from ..offload import get_runtime  # written in parallel; absent until it lands
-    except (ImportError, AttributeError):
-        return None
-    try:
-        return get_runtime(model)
-    except (AttributeError, KeyError, LookupError, ValueError):
-        return None
-
-
-def _expert_misses(runtime) -> int | None:
-    if runtime is None:
-        return None
-    try:
-        return int(runtime.stats.total.misses)
-    except AttributeError:
-        return None
 
 
 def _target_cache(model, model_kwargs: dict) -> SpecFitCache:
@@ -221,15 +168,15 @@ def tree_speculative_decoding(
 
     # Set up the stages of the cycle.
     cache = _target_cache(model, model_kwargs)
-    runtime = _offload_runtime(model)
+    runtime = get_runtime(model)
+    experts = None if runtime is None else runtime.view()
     drafter = make_drafter(assistant_model, model, config)
     feature_indices = drafter.target_feature_indices
     policy = get_policy(config.policy, config)
-    ctx = CycleContext(target=model, runtime=runtime, config=config, extras={"drafter": drafter})
     mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype)
     oracle_probe = TreeOracleProbe(model, cache, runtime, mask_dtype)  # only the "oracle" policy calls it
-    ctx.extras["oracle_probe"] = oracle_probe
+    ctx = CycleContext(target=model, config=config, experts=experts, draft=assistant_model, oracle_probe=oracle_probe)
+    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype)
     records: list[CycleRecord] = []
 
     # Prefill: the target reads the prompt and produces the first token (the first root).
@@ -274,7 +221,7 @@ def tree_speculative_decoding(
 
     while not finished:
         cycle_start = clock()
-        misses_before = _expert_misses(runtime)
+        loads_before = None if experts is None else experts.loads()
         prefix_len = cache.get_seq_length()
         root = int(sequence[0, -1])
 
@@ -314,7 +261,6 @@ def tree_speculative_decoding(
             commit_features = block_features[:, rows.to(block_features.device)] if block_features is not None else None
             candidate_generator.commit(candidates, result, commit_features)
 
-        misses_after = _expert_misses(runtime)
         record = CycleRecord(
             nodes_drafted=len(candidates.tree),
             nodes_verified=candidates.num_nodes,
@@ -324,7 +270,8 @@ def tree_speculative_decoding(
             draft_seconds=candidates.draft_seconds,
             select_seconds=candidates.select_seconds,
             verify_seconds=verify_s,
-            experts_loaded=None if misses_before is None or misses_after is None else misses_after - misses_before,
+            levels_drafted=candidates.tree.num_levels,
+            experts_loaded=None if experts is None else experts.loads() - loads_before,
             expected_tokens=float(candidates.selection.expected_tokens),
             predicted_time=float(candidates.selection.predicted_time),
         )
@@ -344,14 +291,6 @@ def tree_speculative_decoding(
     )
 
 
-class _NoCapture:
-    def __enter__(self):
-        return {}
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _maybe_capture(model, indices):
     """``capture_hidden_states`` when the drafter wants target features, else a no-op context."""
-    return capture_hidden_states(model, indices) if indices else _NoCapture()
+    return capture_hidden_states(model, indices) if indices else contextlib.nullcontext({})

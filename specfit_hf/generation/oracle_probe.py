@@ -1,6 +1,6 @@
 """The loop's side of the "oracle" selection policy (benchmarks only).
 
-The oracle policy asks, through ``ctx.extras["oracle_probe"]``, what the target would do
+The oracle policy asks, through ``ctx.oracle_probe``, what the target would do
 on the *whole* draft tree: its greedy token after the root and after every node, and the
 experts each of them routes to.  :class:`TreeOracleProbe` answers with one tree-masked
 target forward over ``[root] + all nodes``, then crops the target cache back so nothing
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DraftTree, Selection
+from ..tree import DraftTree, OracleProbe, Selection
 from .cache import SpecFitCache
 from .candidates import layout_candidates
 from .verify import verify_forward
@@ -38,9 +38,7 @@ class TreeOracleProbe:
     prefix_hidden: torch.Tensor | None = None
 
     @torch.no_grad()
-    def __call__(self, tree: DraftTree):
-        from ..selection.specfit import OracleProbe
-
+    def __call__(self, tree: DraftTree) -> OracleProbe:
         selection = Selection(nodes=torch.arange(len(tree)))
         block = layout_candidates(
             tree, selection, self.prefix_len, self.root_position, self.prefix_hidden, self.model.device,
@@ -58,9 +56,6 @@ class TreeOracleProbe:
                 )
             with frozen():
                 logits = verify_forward(self.model, self.cache, block)
-                routing = torch.stack(
-                    [self.runtime.last_routing(layer).reshape(len(tree) + 1, -1) for layer in self.runtime.moe_layers],
-                    dim=1,
-                )
+                routing = self.runtime.view().last_routing(rows=len(tree) + 1)
         self.cache.crop_to(self.prefix_len)  # nothing of the probe stays in the cache
         return OracleProbe(target_tokens=logits.argmax(dim=-1).cpu(), routing=routing)

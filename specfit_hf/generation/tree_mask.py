@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-__all__ = ["ancestor_matrix", "tree_attention_mask", "visibility_to_mask", "block_depths", "model_tree_masks"]
+__all__ = ["ancestor_matrix", "grow_ancestors", "tree_attention_mask", "visibility_to_mask", "block_depths",
+           "model_tree_masks"]
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
@@ -39,6 +40,25 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torc
         anc[rows[valid], cur[valid]] = True
         cur = torch.where(valid, parents[cur.clamp(min=0)], cur)
     return anc
+
+
+def grow_ancestors(anc: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append a block of ``m`` nodes to an ancestor-or-self matrix ``anc`` ``[n, n]``.
+
+    ``parents[i]`` is the row of new node ``i``'s parent in ``anc`` (``-1``: none in it).
+    Returns the new block's rows ``[m, n + m]`` and the grown matrix ``[n + m, n + m]``.
+    Drafters keep this relation level by level instead of recomputing it.
+    """
+    n, m = anc.shape[0], parents.numel()
+    rows = torch.zeros(m, n + m, dtype=torch.bool)
+    has_parent = parents >= 0
+    if n and bool(has_parent.any()):
+        rows[has_parent, :n] = anc[parents[has_parent]]
+    rows[torch.arange(m), n + torch.arange(m)] = True
+    grown = torch.zeros(n + m, n + m, dtype=torch.bool)
+    grown[:n, :n] = anc
+    grown[n:] = rows
+    return rows, grown
 
 
 def block_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,13 @@ from ..clock import clock
 from .link import EmulatedLink
 from .runtime import OffloadRuntime, get_runtime, offload_experts
 from .stats import OffloadStats, TransferStats
+from .view import ExpertCacheView
 
 __all__ = [
     "offload_experts",
     "get_runtime",
     "OffloadRuntime",
+    "ExpertCacheView",
     "EmulatedLink",
     "clock",
     "OffloadStats",

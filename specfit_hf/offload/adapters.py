@@ -27,10 +27,6 @@ class MoEAdapter:
     model_type: str
     router_attr: str  # attribute of the MoE block holding the router
     expert_params: tuple[str, ...]  # per-expert parameters of the experts module (leading dim E)
-    # "standard": gate_up_proj [E, 2I, H] as [gate; up] halves, down_proj [E, H, I], no biases.
-    # "gpt_oss": gate_up_proj [E, H, 2I] interleaved gate/up, down_proj [E, I, H], biases,
-    # clamped SwiGLU.
-    layout: str = "standard"
 
     def moe_block(self, decoder_layer: nn.Module) -> nn.Module | None:
         """The layer's sparse MoE block, or None for a dense layer."""
@@ -47,21 +43,17 @@ class MoEAdapter:
     def router(self, block: nn.Module) -> nn.Module:
         return getattr(block, self.router_attr)
 
-    def fused_kwargs(self, experts: nn.Module, slots: dict[str, torch.Tensor], config) -> dict | None:
-        """Layout keywords for ``specfit_hf.fused_experts`` on these slots; None if it cannot run them."""
-        if self.layout == "gpt_oss":
-            return dict(
-                gate_up_bias=slots["gate_up_proj_bias"],
-                down_bias=slots["down_proj_bias"],
-                transposed=True,
-                interleaved=True,
-                activation="swiglu_oai",
-                swiglu_alpha=float(experts.alpha),
-                swiglu_limit=float(experts.limit),
-            )
-        if getattr(config, "hidden_act", None) != "silu":
+    def fused_kwargs(self, experts: nn.Module, slots: dict[str, torch.Tensor | None]) -> dict | None:
+        """Keywords for ``specfit_hf.fused_experts`` on these slots; None if the kernels cannot run them."""
+        from specfit_kernels import ExpertLayout
+
+        layout = ExpertLayout.of(experts)
+        if layout is None:
             return None
-        return {}
+        out = layout.kwargs()
+        if layout.has_bias:
+            out.update(gate_up_bias=slots["gate_up_proj_bias"], down_bias=slots["down_proj_bias"])
+        return out
 
 
 _STANDARD = ("gate_up_proj", "down_proj")
@@ -81,7 +73,6 @@ ADAPTERS: dict[str, MoEAdapter] = {
             "gpt_oss",
             "router",
             ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
-            layout="gpt_oss",
         ),
     )
 }

@@ -64,6 +64,7 @@ from .cache import POLICIES, ExpertCache
 from .link import EmulatedLink
 from .pinning import HostPinner
 from .stats import OffloadStats, TransferStats
+from .view import ExpertCacheView
 
 __all__ = ["OffloadRuntime", "offload_experts", "get_runtime", "quantized_expert_format"]
 
@@ -242,6 +243,7 @@ class OffloadRuntime:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_events: list[tuple[TransferStats, torch.cuda.Event, torch.cuda.Event]] = []
         self._attached = True
+        self._view: ExpertCacheView | None = None
         self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
 
     @property
@@ -285,6 +287,15 @@ class OffloadRuntime:
     def last_routing(self, layer_idx: int) -> Optional[torch.Tensor]:
         """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
         return self._layer(layer_idx).last_routing
+
+    def view(self) -> ExpertCacheView:
+        """The read-only view for planners (the selection stage): residency, routing, routers.
+
+        One view per runtime, so what planners learn about this cache can be keyed by it.
+        """
+        if self._view is None:
+            self._view = ExpertCacheView(self)
+        return self._view
 
     @torch.no_grad()
     def route(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -666,7 +677,7 @@ def offload_experts(
         fused = _find_fused_experts()
         if fused is None and use_fused_kernel:
             raise ValueError("use_fused_kernel=True but specfit_hf.fused_experts is not importable")
-        probe = adapter.fused_kwargs(first_experts, {name: None for name in adapter.expert_params}, model.config)
+        probe = adapter.fused_kwargs(first_experts, {name: None for name in adapter.expert_params})
         if probe is None:
             if use_fused_kernel:
                 raise ValueError(f"the fused kernel does not implement this model's experts "
@@ -708,7 +719,7 @@ def offload_experts(
             layer.slots = {name: layer.experts._parameters[name].data for name in adapter.expert_params}
             if fused is not None:
                 layer.fused_experts = fused
-                layer.fused_kwargs = adapter.fused_kwargs(layer.experts, layer.slots, model.config)
+                layer.fused_kwargs = adapter.fused_kwargs(layer.experts, layer.slots)
         runtime = OffloadRuntime(model, adapter, target, slots, policy, link, layers, num_experts, top_k,
                                  expert_bytes, original_device)
         runtime._pinner = pinner

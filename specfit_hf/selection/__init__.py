@@ -1,52 +1,70 @@
-"""Stage 3 of the cycle: choose the draft subtree to verify."""
+"""Stage 3 of the cycle: choose the draft subtree to verify.
 
-from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
-from .acceptance import AcceptanceCalibrator, path_acceptance
+The ``specfit`` policy (:mod:`.specfit`) reads as its recipe and delegates each step to a
+small collaborator: path acceptance (:mod:`.acceptance`), expert forecast
+(:mod:`.forecast`, predictors in :mod:`.experts`), the exact search (:mod:`.search`, its
+min cut in :mod:`.mincut`), cycle costs (:mod:`.costs`, :mod:`.calibration`), the
+drafting gate (:mod:`.gate`) and the stop rule (:mod:`.lookahead`).  Options are typed
+(:mod:`.options`).  Baseline policies live in :mod:`.policy`, the benchmark's oracle in
+:mod:`.oracle`, predictor-quality reports in :mod:`.quality`.
+"""
+
+from .acceptance import AcceptanceCalibrator, AcceptanceModel, path_acceptance
 from .calibration import OnlineCostModel, calibrate, fit_cost_model, mape
-from .experts import (
-    DraftHeadPredictor,
-    HistoryPredictor,
-    RouterPredictor,
-    UnionQuality,
-    make_predictor,
-)
+from .costs import CycleCostTracker, default_cost_model
+from .experts import DraftHeadPredictor, HistoryPredictor, RouterPredictor, make_predictor
+from .forecast import ExpertForecast
+from .gate import DraftingGate
+from .lookahead import LookAhead
+from .options import SpecFitOptions
 from .policy import (
     AutoregressivePolicy,
-    CycleContext,
     Eagle3Policy,
     SelectionPolicy,
     available_policies,
     get_policy,
+    policy_class,
     register_policy,
+    validate_policy,
 )
-from .specfit import OracleProbe, OraclePolicy, SpecFitPolicy, default_cost_model
+from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
+from .specfit import SpecFitPolicy
+from .oracle import OraclePolicy
+from .quality import MeasuredSpecFitPolicy, UnionQuality
 
 __all__ = [
     "AcceptanceCalibrator",
+    "AcceptanceModel",
     "path_acceptance",
     "OnlineCostModel",
     "calibrate",
     "fit_cost_model",
     "mape",
+    "CycleCostTracker",
+    "default_cost_model",
     "DraftHeadPredictor",
     "HistoryPredictor",
     "RouterPredictor",
-    "UnionQuality",
     "make_predictor",
-    "OracleProbe",
-    "OraclePolicy",
-    "SpecFitPolicy",
-    "default_cost_model",
-    "CostModel",
-    "useful_nodes",
-    "SearchProblem",
-    "evaluate_subtree",
-    "select_subtree",
+    "ExpertForecast",
+    "DraftingGate",
+    "LookAhead",
+    "SpecFitOptions",
     "AutoregressivePolicy",
-    "CycleContext",
     "Eagle3Policy",
     "SelectionPolicy",
     "available_policies",
     "get_policy",
+    "policy_class",
     "register_policy",
+    "validate_policy",
+    "CostModel",
+    "SearchProblem",
+    "evaluate_subtree",
+    "select_subtree",
+    "useful_nodes",
+    "SpecFitPolicy",
+    "OraclePolicy",
+    "MeasuredSpecFitPolicy",
+    "UnionQuality",
 ]

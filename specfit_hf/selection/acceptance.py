@@ -16,25 +16,16 @@ its token.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
+from scipy.optimize import isotonic_regression
 
 from ..tree import DraftTree, Selection, VerifyResult
 
-__all__ = ["AcceptanceCalibrator", "path_acceptance", "acceptance_outcomes", "sibling_ranks"]
-
-
-def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted non-decreasing least-squares fit (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for v, w in zip(values.tolist(), weights.tolist()):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            wt = w1 + w2
-            blocks.append([(m1 * w1 + m2 * w2) / wt, wt, n1 + n2])
-    return np.concatenate([np.full(n, m) for m, _, n in blocks])
+__all__ = ["AcceptanceCalibrator", "AcceptanceModel", "path_acceptance", "acceptance_outcomes", "sibling_ranks"]
 
 
 class AcceptanceCalibrator:
@@ -106,7 +97,7 @@ class AcceptanceCalibrator:
         prior = self._group_prior()
         w = self.trials + self.prior_weight
         rate = (self.accepted + self.prior_weight * prior) / w
-        self._table = np.stack([_isotonic(rate[i], w[i]) for i in range(self.groups)])
+        self._table = np.stack([isotonic_regression(rate[i], weights=w[i]).x for i in range(self.groups)])
 
     def _group_prior(self) -> np.ndarray:
         """``[groups, bins]`` prior of each bin: the identity shifted in logit space per group.
@@ -197,3 +188,84 @@ def acceptance_outcomes(
     observed = np.array([p < 0 or int(p) in accepted_set for p in parents], dtype=bool)
     seen = nodes[observed].astype(np.int64)
     return seen, np.array([int(v) in accepted_set for v in seen], dtype=bool)
+
+
+_CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred tokens
+
+# draft model -> {calibrator settings: model}; acceptance is a property of the pair, so
+# the estimates carry over from one generate call to the next with the same draft
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_MAX_RANKS = 32  # sibling ranks tracked (SpecFitConfig bounds tree_top_k to this)
+
+
+def _rank_prior() -> tuple[np.ndarray, np.ndarray]:
+    """Prior (accepted, trials) per sibling rank ``r``: acceptance ``1 / (2 (r + 1)^2)`` worth 2 outcomes.
+
+    1/2 for the first child, 1/8 for the second, 1/18 for the third: a draft's later
+    choices are rarely the target's, so a tree starts narrow and widens as data shows
+    the draft's second choices pay.
+    """
+    trials = np.full(_MAX_RANKS, 2.0)
+    return 1.0 / (np.arange(_MAX_RANKS) + 1.0) ** 2, trials
+
+
+@dataclass
+class AcceptanceModel:
+    """What a policy has learnt about the draft's acceptance (shared across ``generate`` calls).
+
+    ``calibrator``: per-node acceptance from draft confidence.  ``rank_accepted`` /
+    ``rank_trials``: decayed counts, per sibling rank ``r`` (0: a parent's most confident
+    child), of "the rank-``r`` child of an observed parent (or of the root) was accepted"
+    -- what the stop rule's look-ahead assumes for children not drafted yet, and how many
+    children a level is worth drafting.
+    """
+
+    calibrator: AcceptanceCalibrator
+    rank_accepted: np.ndarray = field(default_factory=lambda: _rank_prior()[0])
+    rank_trials: np.ndarray = field(default_factory=lambda: _rank_prior()[1])
+
+    @classmethod
+    def for_draft(cls, draft: object, settings: dict, share: bool) -> AcceptanceModel:
+        """The model learnt so far for ``draft`` with these calibrator ``settings`` (new if none or not shared)."""
+        fresh = cls(AcceptanceCalibrator(**settings))
+        if not share or draft is None:
+            return fresh
+        try:
+            per_draft = _SHARED.setdefault(draft, {})
+        except TypeError:  # not weak-referenceable: keep this call's own estimates
+            return fresh
+        return per_draft.setdefault(repr(sorted(settings.items())), fresh)
+
+    def rank_acceptance(self) -> np.ndarray:
+        """``[R]`` learnt acceptance of a parent's rank-``r`` child (non-increasing in ``r``)."""
+        return np.minimum.accumulate(self.rank_accepted / self.rank_trials)
+
+    def child_acceptance(self) -> float:
+        """Learnt acceptance of a parent's most confident child."""
+        return float(self.rank_accepted[0] / self.rank_trials[0])
+
+    def path(self, tree: DraftTree) -> np.ndarray:
+        """``[N]`` estimated probability that the whole path root -> v is accepted."""
+        return path_acceptance(tree, self.calibrator(tree.draft_probs, tree.depths, sibling_ranks(tree)))
+
+    def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, greedy: bool) -> None:
+        """Learn from a verified cycle (greedy: unverified nodes count too, see :func:`acceptance_outcomes`)."""
+        if len(tree) == 0:
+            return  # a plain step: nothing drafted, nothing to learn
+        seen, accepted = acceptance_outcomes(tree, selection, result, include_unverified=greedy)
+        if not seen.size:
+            return
+        probs = tree.draft_probs.numpy()[seen]
+        depths = tree.depths.numpy()[seen]
+        ranks = sibling_ranks(tree)[seen]
+        self.calibrator.update(probs, accepted, depths, ranks)
+        parents = tree.parents.numpy()[seen]
+        for parent in np.unique(parents):
+            among = np.nonzero(parents == parent)[0]
+            rank = np.minimum(ranks[among], _MAX_RANKS - 1)
+            self.rank_accepted[rank] *= _CHILD_DECAY
+            self.rank_trials[rank] *= _CHILD_DECAY
+            np.add.at(self.rank_accepted, rank, accepted[among].astype(np.float64))
+            np.add.at(self.rank_trials, rank, 1.0)

@@ -10,13 +10,13 @@ of the target, a guess of its top-k experts.  Three predictors:
   hidden space, so this is a cheap proxy of the target's hidden state there.
 * :class:`HistoryPredictor` (training-free, learned online): per token id, a decayed
   count of the experts the target actually routed that token to in verified forwards
-  (``runtime.last_routing``); unseen tokens fall back to another predictor.
+  (the view's ``last_routing``); unseen tokens fall back to another predictor.
 * :class:`DraftHeadPredictor`: the EAGLE-3 draft's learned expert heads
   (``draft.predict_experts``).
 
-All return int arrays ``[n, L, k]`` over ``runtime.moe_layers`` (negative = no guess).
-:class:`UnionQuality` measures the recall and precision of the predicted per-layer
-union of a verified block against the union the target actually routed.
+All read the offload runtime through its read-only
+:class:`~specfit_hf.offload.ExpertCacheView` and return int arrays ``[n, L, k]`` over
+its ``moe_layers`` (negative = no guess).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..features import decoder_layers
+from ..offload.view import ExpertCacheView
 from ..tree import DraftTree
 
 __all__ = [
@@ -35,36 +36,9 @@ __all__ = [
     "RouterPredictor",
     "HistoryPredictor",
     "DraftHeadPredictor",
-    "UnionQuality",
     "make_predictor",
-    "cached_mask",
-    "actual_routing",
     "available_predictors",
 ]
-
-
-def cached_mask(runtime: Any) -> np.ndarray:
-    """``[L, E]`` bool: experts resident in the device cache, per MoE layer of the runtime."""
-    mask = np.zeros((len(runtime.moe_layers), int(runtime.num_experts)), dtype=bool)
-    for i, layer in enumerate(runtime.moe_layers):
-        resident = list(runtime.cached_experts(layer))
-        if resident:
-            mask[i, resident] = True
-    return mask
-
-
-def actual_routing(runtime: Any, rows: int | None = None) -> np.ndarray | None:
-    """``[T, L, k]`` experts the last target forward routed each row to (None before any)."""
-    per_layer = []
-    for layer in runtime.moe_layers:
-        r = runtime.last_routing(layer)
-        if r is None:
-            return None
-        per_layer.append(r.detach().cpu().reshape(r.shape[0], -1).numpy())
-    out = np.stack(per_layer, axis=1).astype(np.int64)
-    if rows is not None and out.shape[0] != rows:
-        return None  # not the forward we think it is
-    return out
 
 
 class ExpertPredictor:
@@ -72,18 +46,21 @@ class ExpertPredictor:
 
     name = ""
 
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self.num_layers = len(runtime.moe_layers)
-        self.top_k = int(runtime.top_k)
+    def __init__(self, experts: ExpertCacheView) -> None:
+        self.experts = experts
+        self.num_layers = experts.num_layers
+        self.top_k = experts.top_k
 
-    def available(self, tree: DraftTree, ctx: Any) -> bool:
+    def available(self, tree: DraftTree) -> bool:
+        """Whether :meth:`predict` can guess anything for this tree."""
         return True
 
-    def predict(self, tree: DraftTree, ctx: Any, nodes: np.ndarray) -> np.ndarray:
+    def predict(self, tree: DraftTree, nodes: np.ndarray) -> np.ndarray:
+        """``[len(nodes), L, k]`` predicted experts of those nodes."""
         raise NotImplementedError
 
-    def predict_root(self, tree: DraftTree, ctx: Any) -> np.ndarray:
+    def predict_root(self, tree: DraftTree) -> np.ndarray:
+        """``[L, k]`` predicted experts of the root."""
         raise NotImplementedError
 
     def observe(self, tokens: np.ndarray, routing: np.ndarray) -> None:
@@ -98,18 +75,18 @@ class RouterPredictor(ExpertPredictor):
 
     name = "router"
 
-    def __init__(self, runtime: Any, target: Any = None) -> None:
-        super().__init__(runtime)
+    def __init__(self, experts: ExpertCacheView, target: Any = None) -> None:
+        super().__init__(experts)
         self._norms: list[Any] = [None] * self.num_layers
         if target is not None:
             try:
                 layers = decoder_layers(target)
-                self._norms = [getattr(layers[i], "post_attention_layernorm", None) for i in runtime.moe_layers]
+                self._norms = [getattr(layers[i], "post_attention_layernorm", None) for i in experts.moe_layers]
             except ValueError:
                 pass
         self._usable: bool | None = None
 
-    def available(self, tree: DraftTree, ctx: Any) -> bool:
+    def available(self, tree: DraftTree) -> bool:
         return tree.hidden is not None and self._usable is not False
 
     @torch.no_grad()
@@ -119,24 +96,24 @@ class RouterPredictor(ExpertPredictor):
             return self._empty(0)
         out = np.empty((n, self.num_layers, self.top_k), dtype=np.int64)
         try:
-            for i, layer in enumerate(self.runtime.moe_layers):
+            for i, layer in enumerate(self.experts.moe_layers):
                 h = hidden
                 norm = self._norms[i]
                 if norm is not None:
                     h = norm(h.to(device=norm.weight.device, dtype=norm.weight.dtype))
-                out[:, i] = self.runtime.route(layer, h).detach().cpu().reshape(n, -1).numpy()[:, : self.top_k]
+                out[:, i] = self.experts.route(layer, h).detach().cpu().reshape(n, -1).numpy()[:, : self.top_k]
         except RuntimeError:  # hidden size differs from the target's: no router proxy
             self._usable = False
             return self._empty(n)
         self._usable = True
         return out
 
-    def predict(self, tree: DraftTree, ctx: Any, nodes: np.ndarray) -> np.ndarray:
+    def predict(self, tree: DraftTree, nodes: np.ndarray) -> np.ndarray:
         if tree.hidden is None:
             return self._empty(len(nodes))
         return self._route(tree.hidden[torch.as_tensor(nodes, dtype=torch.long)])
 
-    def predict_root(self, tree: DraftTree, ctx: Any) -> np.ndarray:
+    def predict_root(self, tree: DraftTree) -> np.ndarray:
         if tree.root_hidden is None:
             return self._empty(1)[0]
         return self._route(tree.root_hidden.reshape(1, -1))[0]
@@ -153,13 +130,13 @@ class HistoryPredictor(ExpertPredictor):
 
     name = "history"
 
-    def __init__(self, runtime: Any, fallback: ExpertPredictor | None = None, decay: float = 0.8,
+    def __init__(self, experts: ExpertCacheView, fallback: ExpertPredictor | None = None, decay: float = 0.8,
                  max_tokens: int = 4096) -> None:
-        super().__init__(runtime)
+        super().__init__(experts)
         self.fallback = fallback
         self.decay = float(decay)
         self.max_tokens = int(max_tokens)
-        self.num_experts = int(runtime.num_experts)
+        self.num_experts = experts.num_experts
         self.table: OrderedDict[int, np.ndarray] = OrderedDict()
         self.global_counts = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
 
@@ -181,20 +158,20 @@ class HistoryPredictor(ExpertPredictor):
                 out[i] = -1
         return out
 
-    def predict(self, tree: DraftTree, ctx: Any, nodes: np.ndarray) -> np.ndarray:
+    def predict(self, tree: DraftTree, nodes: np.ndarray) -> np.ndarray:
         tokens = tree.tokens.numpy()[nodes]
         fb = None
-        if self.fallback is not None and self.fallback.available(tree, ctx):
+        if self.fallback is not None and self.fallback.available(tree):
             unseen = np.array([int(t) not in self.table for t in tokens.tolist()], dtype=bool)
             if unseen.any():
                 fb = self._empty(len(nodes))
-                fb[unseen] = self.fallback.predict(tree, ctx, np.asarray(nodes)[unseen])
+                fb[unseen] = self.fallback.predict(tree, np.asarray(nodes)[unseen])
         return self._predict_tokens(tokens, fb)
 
-    def predict_root(self, tree: DraftTree, ctx: Any) -> np.ndarray:
+    def predict_root(self, tree: DraftTree) -> np.ndarray:
         fb = None
-        if int(tree.root_token) not in self.table and self.fallback is not None and self.fallback.available(tree, ctx):
-            fb = self.fallback.predict_root(tree, ctx)[None]
+        if int(tree.root_token) not in self.table and self.fallback is not None and self.fallback.available(tree):
+            fb = self.fallback.predict_root(tree)[None]
         return self._predict_tokens(np.array([int(tree.root_token)]), fb)[0]
 
     def observe(self, tokens: np.ndarray, routing: np.ndarray) -> None:
@@ -218,19 +195,19 @@ class DraftHeadPredictor(ExpertPredictor):
 
     name = "heads"
 
-    def __init__(self, runtime: Any, draft: Any) -> None:
-        super().__init__(runtime)
+    def __init__(self, experts: ExpertCacheView, draft: Any) -> None:
+        super().__init__(experts)
         self.draft = draft
         head_layers = list(getattr(draft, "expert_moe_layers", []) or [])
         where = {layer: i for i, layer in enumerate(head_layers)}
         # position of each runtime MoE layer among the draft's heads (-1: no head)
-        self._head_of = np.array([where.get(layer, -1) for layer in runtime.moe_layers], dtype=np.int64)
+        self._head_of = np.array([where.get(layer, -1) for layer in experts.moe_layers], dtype=np.int64)
 
     @staticmethod
     def supported(draft: Any) -> bool:
         return draft is not None and getattr(draft, "expert_heads", None) is not None and hasattr(draft, "predict_experts")
 
-    def available(self, tree: DraftTree, ctx: Any) -> bool:
+    def available(self, tree: DraftTree) -> bool:
         return tree.hidden is not None and bool((self._head_of >= 0).any())
 
     def _heads(self, hidden: torch.Tensor) -> np.ndarray:
@@ -243,71 +220,37 @@ class DraftHeadPredictor(ExpertPredictor):
         out[:, has] = pred[:, self._head_of[has], : self.top_k]
         return out
 
-    def predict(self, tree: DraftTree, ctx: Any, nodes: np.ndarray) -> np.ndarray:
+    def predict(self, tree: DraftTree, nodes: np.ndarray) -> np.ndarray:
         if tree.hidden is None:
             return self._empty(len(nodes))
         return self._heads(tree.hidden[torch.as_tensor(nodes, dtype=torch.long)])
 
-    def predict_root(self, tree: DraftTree, ctx: Any) -> np.ndarray:
+    def predict_root(self, tree: DraftTree) -> np.ndarray:
         if tree.root_hidden is None:
             return self._empty(1)[0]
         return self._heads(tree.root_hidden.reshape(1, -1))[0]
 
 
 def available_predictors() -> list[str]:
+    """Names :func:`make_predictor` accepts."""
     return ["auto", "router", "history", "history+router", "heads", "none"]
 
 
-def make_predictor(name: str, runtime: Any, target: Any = None, draft: Any = None) -> ExpertPredictor | None:
+def make_predictor(name: str, experts: ExpertCacheView | None, target: Any = None,
+                   draft: Any = None) -> ExpertPredictor | None:
     """Build a predictor by name; ``auto`` = the draft's heads when it has them, else history+router."""
-    if runtime is None or name == "none":
+    if experts is None or name == "none":
         return None
     if name == "auto":
         name = "heads" if DraftHeadPredictor.supported(draft) else "history+router"
     if name == "router":
-        return RouterPredictor(runtime, target)
+        return RouterPredictor(experts, target)
     if name == "history":
-        return HistoryPredictor(runtime)
+        return HistoryPredictor(experts)
     if name == "history+router":
-        return HistoryPredictor(runtime, fallback=RouterPredictor(runtime, target))
+        return HistoryPredictor(experts, fallback=RouterPredictor(experts, target))
     if name == "heads":
         if not DraftHeadPredictor.supported(draft):
             raise ValueError("expert predictor 'heads' needs an EAGLE-3 draft with expert heads")
-        return DraftHeadPredictor(runtime, draft)
+        return DraftHeadPredictor(experts, draft)
     raise ValueError(f"unknown expert predictor {name!r}; available: {available_predictors()}")
-
-
-class UnionQuality:
-    """Recall / precision of predicted per-layer expert unions against the routed ones.
-
-    For each verified block and MoE layer: predicted = union of the predicted experts
-    of the root and the verified nodes; actual = union of the experts the target
-    routed those rows to.  Sums over layers and blocks (micro-averaged).
-    """
-
-    def __init__(self) -> None:
-        self.hit = 0
-        self.predicted = 0
-        self.actual = 0
-        self.blocks = 0
-
-    def add(self, predicted: np.ndarray, actual: np.ndarray) -> None:
-        """``predicted`` ``[T, L, k]`` (negative = none), ``actual`` ``[T, L, k]``, same rows."""
-        for layer in range(actual.shape[1]):
-            a = set(actual[:, layer].reshape(-1).tolist())
-            p = set(int(x) for x in predicted[:, layer].reshape(-1).tolist() if x >= 0)
-            self.hit += len(a & p)
-            self.predicted += len(p)
-            self.actual += len(a)
-        self.blocks += 1
-
-    @property
-    def recall(self) -> float:
-        return self.hit / self.actual if self.actual else float("nan")
-
-    @property
-    def precision(self) -> float:
-        return self.hit / self.predicted if self.predicted else float("nan")
-
-    def as_dict(self) -> dict[str, float]:
-        return {"recall": self.recall, "precision": self.precision, "blocks": self.blocks}

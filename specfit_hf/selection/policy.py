@@ -2,71 +2,77 @@
 
 The generation loop calls a policy in three places of every cycle:
 
+* ``reset(ctx)`` once when a ``generate`` call starts (``ctx``: a
+  :class:`~specfit_hf.tree.CycleContext`);
 * ``select(tree, ctx)`` before drafting (on the empty tree) and after each draft
   level.  It returns a :class:`~specfit_hf.tree.Selection`; ``selection.stop`` ends
   drafting and the last selection is verified.
-* ``observe(tree, selection, result, record)`` after verification, so a policy can
-  refine its estimates online.
+* ``observe(tree, selection, result, record)`` after verification (``record``: a
+  :class:`~specfit_hf.tree.CycleRecord`), so a policy can refine its estimates online.
 
 Policies are looked up by name (``SpecFitConfig(policy=...)``) in a small registry:
 ``eagle3`` and ``autoregressive`` here, ``specfit`` (throughput-optimal subtree, exact
-search) and ``oracle`` (benchmark upper bound) in :mod:`specfit_hf.selection.specfit`.
+search) in :mod:`.specfit`, ``oracle`` (benchmark upper bound) in :mod:`.oracle`.  A
+policy that takes ``policy_kwargs`` names a frozen dataclass of options
+(``options_class``); :func:`validate_policy` checks a name and its kwargs, which
+``SpecFitConfig`` does when it is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from transformers import GenerationConfig
 
-from ..tree import DraftTree, Selection, VerifyResult
+from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult
+from .options import parse_options
 
 __all__ = [
-    "CycleContext",
     "SelectionPolicy",
     "register_policy",
     "get_policy",
+    "policy_class",
+    "validate_policy",
     "available_policies",
     "Eagle3Policy",
     "AutoregressivePolicy",
 ]
 
 
-@dataclass
-class CycleContext:
-    """What a policy may read about the current generation.
+class SelectionPolicy:
+    """Base class.  Subclasses are registered with :func:`register_policy` and implement :meth:`select`.
 
-    Attributes:
-        target: the target model.
-        runtime: the offload runtime attached to the target, or ``None``.
-        config: the ``SpecFitConfig`` in use.
-        prefix_len: tokens in the target cache before this cycle's root.
-        extras: free slot for policy state shared with the loop (e.g. the drafter).
+    ``options_class``: the frozen dataclass of the policy's ``policy_kwargs`` (``None``: it
+    takes none); the parsed options are ``self.options``.
     """
 
-    target: Any
-    runtime: Any
-    config: Any
-    prefix_len: int = 0
-    extras: dict = field(default_factory=dict)
-
-
-class SelectionPolicy:
-    """Base class.  Subclasses set ``name`` and implement :meth:`select`."""
-
     name: str = ""
+    options_class: type | None = None
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: GenerationConfig) -> None:
         self.config = config
+        self.options = self.parse_options(getattr(config, "policy_kwargs", None))
+
+    @classmethod
+    def parse_options(cls, kwargs: Any) -> Any:
+        """The policy's options from ``policy_kwargs``; ``ValueError`` for unknown keys or bad values."""
+        if cls.options_class is not None:
+            return parse_options(cls.options_class, kwargs, cls.name)
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"policy_kwargs must be a dict, got {type(kwargs).__name__} {kwargs!r}")
+        if kwargs:
+            raise ValueError(f"policy {cls.name!r} takes no policy_kwargs; got {sorted(kwargs)}")
+        return None
 
     def reset(self, ctx: CycleContext) -> None:
         """Called once when a ``generate`` call starts."""
 
     def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
+        """The subtree to verify so far, and whether to stop drafting."""
         raise NotImplementedError
 
-    def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: Any) -> None:
+    def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: CycleRecord) -> None:
         """Called after each verification; default: nothing to learn."""
 
 
@@ -74,6 +80,8 @@ _REGISTRY: dict[str, type[SelectionPolicy]] = {}
 
 
 def register_policy(name: str) -> Callable[[type[SelectionPolicy]], type[SelectionPolicy]]:
+    """Class decorator: make the policy available as ``SpecFitConfig(policy=name)``."""
+
     def deco(cls: type[SelectionPolicy]) -> type[SelectionPolicy]:
         cls.name = name
         _REGISTRY[name] = cls
@@ -83,16 +91,26 @@ def register_policy(name: str) -> Callable[[type[SelectionPolicy]], type[Selecti
 
 
 def available_policies() -> list[str]:
+    """Registered policy names."""
     return sorted(_REGISTRY)
 
 
-def get_policy(name: str, config: Any) -> SelectionPolicy:
-    """Instantiate the policy registered as ``name``."""
+def policy_class(name: str) -> type[SelectionPolicy]:
+    """The policy class registered as ``name``; ``ValueError`` listing the names otherwise."""
     try:
-        cls = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown selection policy {name!r}; available: {available_policies()}") from None
-    return cls(config)
+
+
+def validate_policy(name: str, kwargs: Any) -> None:
+    """Check a policy name and its ``policy_kwargs`` (``ValueError`` naming what is wrong)."""
+    policy_class(name).parse_options(kwargs)
+
+
+def get_policy(name: str, config: GenerationConfig) -> SelectionPolicy:
+    """Instantiate the policy registered as ``name``."""
+    return policy_class(name)(config)
 
 
 def top_n_by_path_prob(tree: DraftTree, n: int) -> torch.Tensor:

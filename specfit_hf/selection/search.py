@@ -27,41 +27,35 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   closure from above).  If the bound cannot beat the incumbent, it is optimal; if the
   DP's set beats it, that is the next Dinkelbach step.  A few rounds move each item's
   cost toward the users the relaxation wants; most calls end here without a min cut.
-* scipy's ``maximum_flow`` takes int32 capacities, so the cut is computed by
-  successive refinement: scale the (residual) capacities so the gap is 2^27, floor,
-  max-flow, subtract, repeat on the residual network.  After each round the exact float
-  gap ``cut capacity - flow value`` bounds how far the cut is from a minimum cut; we stop
-  when that gap is below ``1e-12`` tokens.  Each round shrinks the gap by about
-  ``2^27 / |cut|``, so two or three rounds reach float precision.  The returned
-  figures are always evaluated exactly from the chosen set.  The scale leaves int32
-  headroom on purpose: capacities are clipped at twice the gap, and the flow solver adds
-  pushed flow to a reverse edge's capacity, so with capacities near 2^31 it overflowed
-  and returned cuts that crossed "infinite" tree edges (selections missing a parent).
+* The cut itself is :func:`~specfit_hf.selection.mincut.min_cut_rounds` (float
+  capacities on scipy's integral max-flow, refined until exact to ~1e-12).  The returned
+  figures are always evaluated exactly from the chosen set.
 
 Without expert information (``node_experts is None``) the closure is a tree and a
-linear-time dynamic program solves it exactly.
+linear-time dynamic program solves it exactly.  A tree with at most 2048 ancestor-closed
+subsets (what a narrow draft grows: a chain of ``n`` nodes has ``n + 1``) is solved by
+scoring every one of them at once.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
-
 import torch
+from scipy.sparse.csgraph import breadth_first_order
 
 from ..tree import Selection
+from .mincut import min_cut_rounds
 
-__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem"]
+__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
 
-_INT_SCALE = float(2**27)  # capacities <= 2^28 and capacity + flow < 2^29: far below int32 max
-_GAP_TOL = 1e-12  # tokens: stop refining the cut once it is this close to optimal
-_MAX_REFINE_ROUNDS = 6
 _MAX_DINKELBACH_STEPS = 100
+_ENUMERATE_SETS = 2048  # up to this many closed subsets, scoring them all beats building a flow network
 _SPLIT_ROUNDS = 4  # cost-split relaxations tried before a min cut
 
 
@@ -145,20 +139,10 @@ class SearchProblem:
         self._build_items(node_experts, root_experts, cached)
 
     # ------------------------------------------------------------------ items
-    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+    def _checked_experts(self, node_experts: Any, root_experts: Any | None,
+                         cached: Any | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(node experts ``[N, L, k]``, root experts ``[L, k']``, cached ``[L, E]``) as arrays, shapes checked."""
         n = self.n
-        self.root_missing = 0
-        self.num_items = 0
-        self.pair_node = np.zeros(0, dtype=np.int64)
-        self.pair_item = np.zeros(0, dtype=np.int64)
-        self.private = np.zeros(n, dtype=np.float64)
-        self.group_cost_count = np.zeros(0, dtype=np.float64)
-        self.member_node = np.zeros(0, dtype=np.int64)
-        self.member_group = np.zeros(0, dtype=np.int64)
-        if node_experts is None:
-            if root_experts is not None:
-                raise ValueError("root_experts given without node_experts")
-            return
         ne = _as_numpy(node_experts, np.int64)
         if ne.ndim != 3 or ne.shape[0] != n:
             raise ValueError(f"node_experts must be [N={n}, L, k], got shape {tuple(ne.shape)}")
@@ -177,6 +161,24 @@ class SearchProblem:
                 raise ValueError(f"root_experts must be [L={num_layers}, k], got shape {tuple(re.shape)}")
         if ne.size and ne.max() >= num_experts or re.size and re.max() >= num_experts:
             raise ValueError(f"expert ids must be < E={num_experts} (negative ids mean 'none')")
+        return ne, re, cached
+
+    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+        n = self.n
+        self.root_missing = 0
+        self.num_items = 0
+        self.pair_node = np.zeros(0, dtype=np.int64)
+        self.pair_item = np.zeros(0, dtype=np.int64)
+        self.private = np.zeros(n, dtype=np.float64)
+        self.group_cost_count = np.zeros(0, dtype=np.float64)
+        self.member_node = np.zeros(0, dtype=np.int64)
+        self.member_group = np.zeros(0, dtype=np.int64)
+        if node_experts is None:
+            if root_experts is not None:
+                raise ValueError("root_experts given without node_experts")
+            return
+        ne, re, cached = self._checked_experts(node_experts, root_experts, cached)
+        num_layers, num_experts = cached.shape
         layer_off = (np.arange(num_layers, dtype=np.int64) * num_experts)[:, None]
         # items the root pays anyway or the cache holds cost nothing
         costly = ~cached.reshape(-1)
@@ -213,6 +215,16 @@ class SearchProblem:
             lin, first_pair = np.unique(lin, return_index=True)
             nodes, items = nodes[first_pair], items[first_pair]
 
+        self._charge_topmost_users(usage, nodes, items, lin, num_items)
+
+    def _charge_topmost_users(self, usage: np.ndarray, nodes: np.ndarray, items: np.ndarray, lin: np.ndarray,
+                              num_items: int) -> None:
+        """Private cost per node and groups of shared items (items with the same user set merge).
+
+        ``usage`` ``[n, items]``: which node uses which costly item; ``(nodes, items)`` its
+        pairs, one per (node, item); ``lin`` their flat indices in ``usage``.
+        """
+        n = self.n
         # charge each item to its topmost users only: an ancestor's use covers the node's
         covered = np.zeros_like(usage)
         for idx in self.levels[1:]:
@@ -423,13 +435,47 @@ class SearchProblem:
         caps = np.concatenate(
             [np.full(tree_from.size + m_node.size, inf), pos[has_pos], neg[has_neg], g_cost[has_cost]]
         )
-        for side in _min_cut_rounds(rows, cols, caps, nn + ng + 2, src, sink, bound):
+        for side in min_cut_rounds(rows, cols, caps, nn + ng + 2, src, sink, bound):
             selected = np.zeros(self.n, dtype=bool)
             selected[nodes[side[:nn]]] = True
             yield selected
 
+    def _closed_subsets(self, limit: int | None = None) -> np.ndarray | None:
+        """Every ancestor-closed subset as a ``[count, n]`` bool array, or ``None`` past ``limit`` of them
+        (default ``_ENUMERATE_SETS``).
+
+        Grown node by node (parents first): each set holding ``v``'s parent spawns a copy with
+        ``v``.  A chain of ``n`` nodes has ``n + 1`` closed subsets, a bushy tree far more.
+        """
+        n = self.n
+        limit = _ENUMERATE_SETS if limit is None else limit
+        if n > 62:
+            return None
+        bits = np.zeros(1, dtype=np.int64)
+        for v in range(n):
+            par = self.parents[v]
+            grown = bits if par < 0 else bits[(bits >> par) & 1 == 1]
+            bits = np.concatenate([bits, grown | (1 << v)])
+            if bits.size > limit:
+                return None
+        return ((bits[:, None] >> np.arange(n)) & 1).astype(bool)
+
+    def _enumerate(self, masks: np.ndarray) -> np.ndarray:
+        """The best of the closed subsets ``masks`` (``[count, n]`` bool), scored at once."""
+        missing = np.full(masks.shape[0], float(self.root_missing))
+        if self.num_items:
+            usage = np.zeros((self.n, self.num_items), dtype=np.float64)
+            usage[self.pair_node, self.pair_item] = 1.0
+            missing += np.count_nonzero(masks.astype(np.float64) @ usage, axis=1)
+        e = 1.0 + masks.astype(np.float64) @ self.p
+        c = self.cost
+        return masks[int(np.argmax(e / (c.t0 + c.t_token * (masks.sum(axis=1) + 1) + c.t_expert * missing)))]
+
     def solve(self, warm_start: np.ndarray | None = None) -> np.ndarray:
-        """The optimal closed node mask (Dinkelbach iteration)."""
+        """The optimal closed node mask (every closed subset when there are few, else Dinkelbach iteration)."""
+        masks = self._closed_subsets() if _ENUMERATE_SETS else None
+        if masks is not None:
+            return self._enumerate(masks)
         best = np.zeros(self.n, dtype=bool)
         best_thr = self.throughput(best)
         candidates = [self._best_prefix()]
@@ -448,58 +494,6 @@ class SearchProblem:
                 return best
             best, best_thr = better, self.throughput(better)
         raise RuntimeError("select_subtree: Dinkelbach iteration did not converge")  # pragma: no cover
-
-
-def _min_cut_rounds(
-    rows: np.ndarray, cols: np.ndarray, caps: np.ndarray, size: int, src: int, sink: int, bound: float
-):
-    """Source sides of successively better s-t cuts; the last is minimum to ~1e-12 absolute.
-
-    ``(rows, cols, caps)`` lists the edges (no antiparallel pairs); ``bound`` must be
-    >= the max-flow value.  Each round max-flows the residual network scaled to int32
-    and floored (scipy's ``maximum_flow`` is integral), adds that flow, and measures
-    the exact remaining gap ``capacity(cut) - flow value`` of the round's cut.
-    Residual capacities above ``2 * gap`` are clipped: such an edge is never in a
-    minimum cut of a residual network whose minimum cut is at most ``gap``.
-    """
-    m = rows.size
-    # one CSR layout holding every edge and its reverse; scipy's flow comes back in it
-    both_rows = np.concatenate([rows, cols])
-    both_cols = np.concatenate([cols, rows])
-    order = sp.csr_matrix(
-        (np.arange(1, 2 * m + 1, dtype=np.float64), (both_rows, both_cols)), shape=(size, size)
-    )
-    if order.nnz != 2 * m:
-        raise AssertionError("min-cut graph has antiparallel edges")  # construction never makes them
-    perm = order.data.astype(np.int64) - 1
-    indices, indptr = order.indices, order.indptr
-    row_of = np.repeat(np.arange(size), np.diff(indptr))
-    cap = np.concatenate([caps, np.zeros(m)])[perm]
-    flow = np.zeros(2 * m)
-    gap = bound
-    for _ in range(_MAX_REFINE_ROUNDS):
-        scale = _INT_SCALE / gap
-        scaled = np.floor(np.minimum(np.maximum(cap - flow, 0.0), 2.0 * gap) * scale).astype(np.int32)
-        graph = sp.csr_matrix((scaled, indices, indptr), shape=(size, size))
-        step = maximum_flow(graph, src, sink).flow
-        if step.nnz == indices.size and np.array_equal(step.indices, indices) and np.array_equal(step.indptr, indptr):
-            step_data = step.data
-        else:  # pragma: no cover - scipy kept another layout; align by lookup
-            step_data = np.asarray(step[row_of, indices]).reshape(-1)
-        open_edges = (scaled - step_data) > 0
-        reach = sp.csr_matrix(
-            (np.ones(int(open_edges.sum()), dtype=np.int8), indices[open_edges],
-             np.concatenate([[0], np.cumsum(np.bincount(row_of[open_edges], minlength=size))])),
-            shape=(size, size),
-        )
-        side = np.zeros(size, dtype=bool)
-        side[breadth_first_order(reach, src, directed=True, return_predecessors=False)] = True
-        flow += step_data * (1.0 / scale)
-        across = side[row_of] & ~side[indices]
-        gap = float(np.maximum(cap[across] - flow[across], 0.0).sum())
-        yield side
-        if gap <= _GAP_TOL:
-            return
 
 
 def useful_nodes(path_prob: Any, cost: CostModel, root_missing: int) -> np.ndarray:
@@ -578,6 +572,25 @@ def evaluate_subtree(
     if not problem.is_closed(selected):
         raise ValueError("nodes must be ancestor-closed")
     return _selection(problem, selected)
+
+
+def closed_part(parents: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Mask over ``nodes`` of those whose ancestors are all in ``nodes`` (all True: the set is closed)."""
+    ok = np.zeros(parents.size, dtype=bool)
+    inside = np.zeros(parents.size, dtype=bool)
+    inside[nodes] = True
+    for v in np.sort(nodes):  # parents precede children
+        par = parents[v]
+        ok[v] = par < 0 or (inside[par] and ok[par])
+    return ok[nodes]
+
+
+def save_instance(**arrays: Any) -> str:
+    """Write a search instance to a temporary ``.npz`` (for a bug report); returns its path."""
+    fd, path = tempfile.mkstemp(prefix="specfit_unclosed_", suffix=".npz")
+    os.close(fd)
+    np.savez(path, **{k: np.asarray(v) for k, v in arrays.items() if v is not None})
+    return path
 
 
 def _selection(problem: SearchProblem, selected: np.ndarray) -> Selection:

@@ -1,0 +1,243 @@
+"""Check a device twin against measurements: measured vs modeled forward, draft and copy times, with the MAPE.
+
+    python examples/twin_check.py --twin qwen3-30b-a3b@rtx4090-pcie4          # on a CUDA host
+    python examples/twin_check.py --device cpu                                # reduced form (CI)
+
+On a CUDA host it builds a random bf16 model with the twin's real shapes (hidden size, heads,
+experts, top-k, expert size, vocabulary) and as many decoder layers as fit (``--layers``),
+puts it behind this project's offload runtime with every expert resident, and measures
+
+* target forwards over 1..64 query tokens after ``--past`` cached tokens, with random and
+  repeated tokens (different numbers of *distinct* experts per layer, read from the runtime);
+* EAGLE-3 draft levels (the public draft's layer and lm_head) over 1..64 nodes;
+* host->device copies of 1..16 experts from pinned memory (copy engine, side stream);
+
+and prints each beside the twin's modeled time (:mod:`specfit_hf.twin`, the same model of a
+``layers``-layer model), the MAPE per kind, and the **fitted host overhead per kernel launch**
+(what the twin assumes until this runs: ``SECONDS_PER_LAUNCH``).
+
+On a CPU (``--device cpu``) it runs a reduced form: dimensions divided by ``--reduce``,
+fp32, and the "device" is this CPU as measured here (memory bandwidth from a large reduction,
+throughput from a matmul, per-op overhead from a loop of tiny ops, memcpy as the link).  The
+MAPE then says how well a roofline + per-launch model fits this host, not a GPU; it is
+reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specfit_hf.twin import DeviceSpec, LinkSpec, Twin, distinct_experts, effective_tokens, get_twin  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_host_device(device: torch.device, dtype: torch.dtype) -> tuple[DeviceSpec, LinkSpec, float]:
+    """This device's bandwidth, matmul throughput, per-op overhead and host->device copy rate (measured)."""
+    n = 64 * 2**20 // torch.finfo(dtype).bits * 8
+    x = torch.randn(n, device=device, dtype=dtype)
+    bw = x.numel() * x.element_size() / _time(lambda: x.sum(), device, 5) / 1e9
+    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    tflops = 2 * 1024**3 / _time(lambda: a @ a, device, 5) / 1e12
+    s = torch.ones(1, device=device, dtype=dtype)
+
+    def many() -> None:
+        for _ in range(200):
+            torch.add(s, s)
+
+    per_op = _time(many, device, 5) / 200
+    host = torch.randn(8 * 2**20 // 4, dtype=torch.float32, pin_memory=device.type == "cuda")
+    dst = torch.empty_like(host, device=device)
+    link = host.numel() * 4 / _time(lambda: dst.copy_(host, non_blocking=True), device, 5) / 1e9
+    return (
+        DeviceSpec(f"{device.type} (measured)", bw, tflops, "measured by examples/twin_check.py"),
+        LinkSpec("measured copy", link, 0.0, "measured by examples/twin_check.py"),
+        per_op,
+    )
+
+
+def build(twin: Twin, layers: int, reduce: int, device: torch.device, dtype: torch.dtype):
+    """A random target (Qwen3-MoE or Mixtral layout) and EAGLE-3 draft with the twin's shapes / ``reduce``."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from specfit_hf.eagle3 import Eagle3DraftModel
+    from specfit_hf.eagle3.config import Eagle3Config
+
+    m = twin.model
+    r = max(1, reduce)
+    hidden, inter, vocab = m.hidden // r, max(8, m.moe_intermediate // r), max(256, m.vocab // r)
+    heads, kv, head_dim = max(2, m.heads // r), max(1, m.kv_heads // r), m.head_dim if r == 1 else max(16, m.head_dim // 4)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=head_dim, num_experts_per_tok=m.top_k,
+                  max_position_embeddings=4096, attn_implementation="eager")
+    if "mixtral" in m.name.lower():
+        cfg = MixtralConfig(intermediate_size=inter, num_local_experts=m.experts, **common)
+        target = MixtralForCausalLM(cfg)
+    else:
+        cfg = Qwen3MoeConfig(intermediate_size=inter, moe_intermediate_size=inter, num_experts=m.experts,
+                             tie_word_embeddings=False, **common)
+        target = Qwen3MoeForCausalLM(cfg)
+    target = target.to(device=device, dtype=dtype).eval()
+    d = m.draft
+    dcfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=min(vocab, max(64, d.draft_vocab // r)), hidden_size=hidden,
+                        intermediate_size=max(8, d.intermediate // r), num_attention_heads=heads,
+                        num_key_value_heads=kv, head_dim=head_dim, target_hidden_size=hidden,
+                        max_position_embeddings=4096)
+    draft = Eagle3DraftModel(dcfg).to(device=device, dtype=dtype).eval()
+    spec_model = replace(m, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
+                         moe_intermediate=inter, vocab=vocab, bytes_per_param=torch.finfo(dtype).bits // 8,
+                         draft=replace(d, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
+                                       intermediate=dcfg.intermediate_size, draft_vocab=dcfg.draft_vocab_size))
+    return target, draft, spec_model
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace) -> dict[str, float]:
+    """Measure and model; print the table; returns MAPE per kind (and ``all``)."""
+    from transformers import DynamicCache
+
+    from specfit_hf.offload import offload_experts
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    twin = get_twin(args.twin)
+    reduce = args.reduce if args.reduce is not None else (1 if device.type == "cuda" else 16)
+    dev_spec, link_spec, per_op = measure_host_device(device, dtype)
+    if device.type == "cuda":
+        # the model's weights plus the runtime's expert slots (cache 100 %) must fit, with headroom
+        per_layer = twin.model.experts * twin.model.expert_bytes + twin.model.nonexpert_bytes / twin.model.layers
+        free = torch.cuda.mem_get_info(device)[0]
+        layers = args.layers or max(1, min(twin.model.layers, int(0.8 * free / (2.2 * per_layer))))
+        model_twin = twin  # the spec-sheet device and link are what is checked
+    else:
+        layers = args.layers or 2
+        model_twin = replace(twin, device=dev_spec, link=link_spec, seconds_per_launch=per_op)
+    target, draft, spec_model = build(twin, layers, reduce, device, dtype)
+    model_twin = replace(model_twin, model=spec_model)
+    print(f"twin {twin.name}: model {spec_model.name} with {layers} layer(s), hidden {spec_model.hidden}, "
+          f"{spec_model.experts} experts top-{spec_model.top_k}, expert {spec_model.expert_bytes / 1e6:.2f} MB, "
+          f"{dtype}, on {device} (reduce {reduce})")
+    print(f"device modeled: {model_twin.device.memory_gbps:.0f} GB/s, {model_twin.device.bf16_tflops:.3g} TFLOPS, "
+          f"{model_twin.seconds_per_launch * 1e6:.2f} us/launch, link {model_twin.link.gbps:.1f} GB/s; measured here: "
+          f"{dev_spec.memory_gbps:.0f} GB/s, {dev_spec.bf16_tflops:.3g} TFLOPS, {per_op * 1e6:.2f} us/op, "
+          f"copy {link_spec.gbps:.1f} GB/s")
+    runtime = offload_experts(target, device=device, cache_fraction=1.0)
+    rows: list[tuple[str, str, float, float]] = []
+    gen = torch.Generator().manual_seed(0)
+    vocab = spec_model.vocab
+    past_ids = torch.randint(0, vocab, (1, args.past), generator=gen).to(device)
+    fixed_launches = model_twin.launches_per_forward + layers * model_twin.launches_per_target_layer
+    residual_n1 = []
+    for n in args.tokens:
+        for kind in ("random", "repeated"):
+            ids = (torch.randint(0, vocab, (1, n), generator=gen) if kind == "random"
+                   else torch.full((1, n), int(torch.randint(0, vocab, (1,), generator=gen)))).to(device)
+            cache = DynamicCache(config=target.config)
+            target(input_ids=past_ids, past_key_values=cache, use_cache=True)
+
+            def step() -> None:
+                target(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache.crop(-n)  # drop this forward's keys: the next call sees the same past
+
+            measured = _time(step, device, args.repeats)
+            d_real = []
+            for layer in runtime.moe_layers:
+                d = len(torch.unique(runtime.last_routing(layer)))
+                d_real.append(distinct_experts(effective_tokens(d, runtime.num_experts, runtime.top_k, n),
+                                               spec_model.experts, spec_model.top_k))
+            distinct = statistics.fmean(d_real)
+            modeled = model_twin.target_forward_seconds(n, args.past, distinct)
+            rows.append(("target", f"n={n:<3d} {kind:<8s} distinct/layer {distinct:5.1f}", measured, modeled))
+            if n == 1 and kind == "random":
+                residual_n1.append((measured - replace(model_twin, seconds_per_launch=0.0)
+                                    .target_forward_seconds(n, args.past, distinct)) / fixed_launches)
+    hidden = torch.randn(1, max(args.draft_nodes), spec_model.hidden, generator=gen).to(device, dtype)
+    for t in args.draft_nodes:
+        ids = torch.randint(0, vocab, (1, t), generator=gen).to(device)
+        measured = _time(lambda: draft(ids, hidden_states=hidden[:, :t]), device, args.repeats)
+        modeled = model_twin.draft_level_seconds(t, 0) + model_twin.draft_matmul_seconds(spec_model.draft.lm_head_params, t)
+        rows.append(("draft level", f"nodes={t}", measured, modeled))
+    layer = runtime.moe_layers[0]
+    host = {name: w for name, w in runtime._layer(layer).host.items()}  # noqa: SLF001 - the real host copies
+    slots = {name: w for name, w in runtime._layer(layer).slots.items()}  # noqa: SLF001
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    for m in args.copies:
+        def copy() -> None:
+            ctx = torch.cuda.stream(stream) if stream is not None else _null()
+            with ctx:
+                for e in range(m):
+                    for name in host:
+                        slots[name][e % slots[name].shape[0]].copy_(host[name][e], non_blocking=True)
+            if stream is not None:
+                stream.synchronize()
+
+        measured = _time(copy, device, args.repeats)
+        modeled = m * (runtime.expert_bytes / (model_twin.link.gbps * 1e9) + model_twin.link.latency_us * 1e-6)
+        rows.append(("H2D copy", f"experts={m}", measured, modeled))
+    runtime.detach()
+
+    print(f"\n{'kind':<12} {'shape':<40} {'measured ms':>12} {'modeled ms':>11} {'error':>8}")
+    errors: dict[str, list[float]] = {}
+    for kind, shape, measured, modeled in rows:
+        err = (modeled - measured) / measured
+        errors.setdefault(kind, []).append(abs(err))
+        print(f"{kind:<12} {shape:<40} {measured * 1e3:>12.3f} {modeled * 1e3:>11.3f} {err:>+8.0%}")
+    mape = {k: 100 * statistics.fmean(v) for k, v in errors.items()}
+    mape["all"] = 100 * statistics.fmean(e for v in errors.values() for e in v)
+    print("\nMAPE: " + ", ".join(f"{k} {v:.0f}%" for k, v in mape.items()))
+    if residual_n1:
+        print(f"fitted host overhead per launch (1-token forward minus modeled roofline, over {fixed_launches} launches): "
+              f"{statistics.fmean(residual_n1) * 1e6:.2f} us (the twin assumes {twin.seconds_per_launch * 1e6:.2f} us)")
+    return mape
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--twin", default="qwen3-30b-a3b@rtx4090-pcie4")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (reduced form)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: as many as fit; CPU 2)")
+    parser.add_argument("--reduce", type=int, default=None, help="divide dimensions by this (default CUDA 1, CPU 16)")
+    parser.add_argument("--past", type=int, default=128, help="cached tokens before each measured forward")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--draft-nodes", type=int, nargs="+", default=[1, 4, 10, 32, 64])
+    parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

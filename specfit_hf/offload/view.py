@@ -1,0 +1,78 @@
+"""A read-only view of an offload runtime: what selection may know about the expert cache.
+
+The selection stage plans around the device expert cache (which experts are resident,
+which experts the last forward routed to, what the target's routers would pick) but
+must never change it.  :class:`ExpertCacheView` is the whole interface it gets; it
+copies what it returns, so nothing the caller does reaches the runtime.
+
+Arrays are over the runtime's MoE layers in order (``moe_layers``: decoder-layer
+indices) and its expert ids: ``[L, E]`` masks and ``[T, L, k]`` routings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .runtime import OffloadRuntime
+
+__all__ = ["ExpertCacheView"]
+
+
+class ExpertCacheView:
+    """Read-only view of an :class:`~specfit_hf.offload.OffloadRuntime` (``runtime.view()``).
+
+    Attributes:
+        moe_layers: decoder-layer indices with routed experts, in order.
+        num_experts / top_k: experts per MoE layer and experts per token.
+        expert_bytes: bytes of one expert (what one miss moves).
+    """
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        self._runtime = runtime
+        self.moe_layers: tuple[int, ...] = tuple(runtime.moe_layers)
+        self.num_experts = int(runtime.num_experts)
+        self.top_k = int(runtime.top_k)
+        self.expert_bytes = int(runtime.expert_bytes)
+
+    @property
+    def num_layers(self) -> int:
+        """MoE layers."""
+        return len(self.moe_layers)
+
+    def resident(self) -> np.ndarray:
+        """``[L, E]`` bool: experts resident in the device cache now."""
+        return np.stack([self._runtime.resident_mask(layer).numpy() for layer in self.moe_layers])
+
+    def last_routing(self, rows: int | None = None) -> np.ndarray | None:
+        """``[T, L, k]`` experts the last target forward routed each row to.
+
+        ``None`` before any forward, or when ``rows`` is given and the last forward had
+        another number of rows (then it is not the forward the caller means).
+        """
+        per_layer = []
+        for layer in self.moe_layers:
+            routed = self._runtime.last_routing(layer)
+            if routed is None:
+                return None
+            per_layer.append(routed.detach().cpu().reshape(routed.shape[0], -1).numpy())
+        out = np.stack(per_layer, axis=1).astype(np.int64)
+        if rows is not None and out.shape[0] != rows:
+            return None
+        return out
+
+    def route(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Top-k expert ids ``[T, k]`` that decoder layer ``layer``'s own router picks for ``hidden``."""
+        return self._runtime.route(layer, hidden)
+
+    def loads(self) -> int:
+        """Expert loads (cache misses) so far, all layers: cycles difference it."""
+        return int(self._runtime.stats.total.misses)
+
+    def transfer_seconds(self) -> float | None:
+        """Seconds one expert load takes on the emulated link, or ``None`` without one."""
+        link = self._runtime.link
+        return None if link is None else float(link.transfer_seconds(self.expert_bytes))

@@ -1,0 +1,154 @@
+"""Which experts a cycle will need, and which of them the device cache lacks.
+
+:class:`ExpertForecast` predicts, with an expert predictor, the experts of the root and
+of every draft node per MoE layer, level by level as the tree grows (a node's
+prediction is made once), and snapshots the device cache's residents when a cycle's
+predictions start (drafting does not touch the target's expert cache).
+:class:`MissingCounter` counts a node set's predicted misses the way the search's cost
+does: the union of the root's and the nodes' experts that are not resident.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..offload.view import ExpertCacheView
+from ..tree import DraftTree, Selection
+from .experts import ExpertPredictor
+
+__all__ = ["ExpertForecast", "MissingCounter", "root_missing"]
+
+
+class _TreePredictions:
+    """Predicted experts of one cycle's tree, extended level by level (never recomputed)."""
+
+    def __init__(self, tree: DraftTree, root: np.ndarray, cached: np.ndarray) -> None:
+        self.tree = tree
+        self.root = root
+        self.cached = cached
+        self.nodes = np.zeros((0, *root.shape), dtype=np.int64)
+        self.done = np.zeros(0, dtype=bool)  # which node rows hold predictions
+        self.root_missing: int | None = None
+
+
+class ExpertForecast:
+    """Predicted experts of the current cycle's tree and the cache residents they meet.
+
+    Args:
+        predictor: the expert predictor, or ``None`` (no expert term: nothing is offloaded
+            or the policy was told ``expert_predictor="none"``).
+        experts: the offload runtime's read-only view (``None`` without offloading).
+    """
+
+    def __init__(self, predictor: ExpertPredictor | None, experts: ExpertCacheView | None) -> None:
+        self.predictor = predictor
+        self.experts = experts
+        self.current: _TreePredictions | None = None
+
+    def root(self, tree: DraftTree) -> np.ndarray | None:
+        """``[L, k]`` predicted experts of ``tree``'s root (a new tree starts the cycle's predictions)."""
+        if self.predictor is None:
+            return None
+        if self.current is None or self.current.tree is not tree:
+            self.current = _TreePredictions(tree, self.predictor.predict_root(tree), self.experts.resident())
+        return self.current.root
+
+    @property
+    def cached(self) -> np.ndarray | None:
+        """``[L, E]`` residents when the current cycle's predictions started."""
+        return None if self.current is None else self.current.cached
+
+    def nodes(self, tree: DraftTree, need: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(node experts ``[N, L, k]``, root experts); rows neither in ``need`` nor predicted before are -1."""
+        if self.root(tree) is None:
+            return None
+        pred = self.current
+        grow = len(tree) - pred.nodes.shape[0]
+        if grow > 0:
+            pred.nodes = np.concatenate([pred.nodes, np.full((grow, *pred.root.shape), -1, dtype=np.int64)])
+            pred.done = np.concatenate([pred.done, np.zeros(grow, dtype=bool)])
+        todo = need[~pred.done[need]]
+        if todo.size:
+            pred.nodes[todo] = self.predictor.predict(tree, todo)
+            pred.done[todo] = True
+        return pred.nodes, pred.root
+
+    def root_missing(self, tree: DraftTree) -> int:
+        """Predicted misses of verifying the root alone, against the cycle's residents."""
+        root = self.root(tree)
+        if root is None:
+            return 0
+        if self.current.root_missing is None:
+            self.current.root_missing = root_missing(root, self.current.cached)
+        return self.current.root_missing
+
+    def plain_step_missing(self, tree: DraftTree) -> int:
+        """Predicted misses of a plain decode step (before any drafting), against the residents now."""
+        if self.predictor is None:
+            return 0
+        # history knows the root token; the other predictors need a draft hidden state
+        root = self.predictor.predict_root(tree)
+        if not (root >= 0).any():
+            return 0  # no guess: skip reading the residents
+        return root_missing(root, self.experts.resident())
+
+    def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:
+        """Predicted misses of verifying the root and ``selection`` (``None`` if not predicted for this tree)."""
+        pred = self.current
+        if pred is None or pred.tree is not tree or pred.nodes.shape[0] != len(tree):
+            return None
+        mask = np.zeros(len(tree), dtype=bool)
+        mask[selection.nodes.numpy()] = True
+        return MissingCounter((pred.nodes, pred.root), pred.cached).count(mask)
+
+    def verified_block(self, tree: DraftTree, selection: Selection) -> np.ndarray | None:
+        """``[1 + n, L, k]`` this cycle's predictions of the verified block (root first), if made for ``tree``."""
+        pred = self.current
+        if pred is None or pred.tree is not tree:
+            return None
+        return np.concatenate([pred.root[None], pred.nodes[selection.nodes.numpy()]])
+
+    def observe(self, tree: DraftTree, selection: Selection) -> np.ndarray | None:
+        """Teach the predictor the routing of the verified block; returns that routing ``[1 + n, L, k]``."""
+        if self.experts is None:
+            return None
+        nodes = selection.nodes.numpy()
+        routing = self.experts.last_routing(rows=1 + nodes.size)
+        if routing is None or self.predictor is None:
+            return routing
+        tokens = np.concatenate([[int(tree.root_token)], tree.tokens.numpy()[nodes]])
+        self.predictor.observe(tokens, routing)
+        return routing
+
+
+def root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:
+    """Distinct (layer, expert) pairs of ``root`` ``[L, k]`` (-1 = none) not resident in ``cached`` ``[L, E]``."""
+    layer = np.broadcast_to(np.arange(root.shape[0])[:, None], root.shape)
+    valid = root >= 0
+    pairs = np.unique(np.stack([layer[valid], root[valid]]), axis=1)
+    if cached is None:
+        return int(pairs.shape[1])
+    return int((~cached[pairs[0], pairs[1]]).sum())
+
+
+class MissingCounter:
+    """Predicted missing experts of node sets (the search's expert term, for the look-ahead)."""
+
+    def __init__(self, experts: tuple[np.ndarray, np.ndarray], cached: np.ndarray | None) -> None:
+        nodes, root = experts
+        num_layers = root.shape[0]
+        num_experts = cached.shape[1] if cached is not None else int(max(nodes.max(initial=0), root.max(initial=0))) + 1
+        off = (np.arange(num_layers) * num_experts)[:, None]
+        self.ids = np.where(nodes >= 0, nodes + off[None], -1).reshape(nodes.shape[0], -1)
+        resident = np.zeros(num_layers * num_experts, dtype=bool) if cached is None else cached.reshape(-1)
+        root_ids = np.unique((root + off)[root >= 0])
+        self.root_missing = int((~resident[root_ids]).sum())
+        costly = ~resident
+        costly[root_ids] = False  # the root pays for these anyway
+        self.costly = costly
+
+    def count(self, mask: np.ndarray) -> int:
+        """Misses of verifying the root and the nodes in ``mask``."""
+        ids = self.ids[mask].reshape(-1)
+        ids = np.unique(ids[ids >= 0])
+        return self.root_missing + int(self.costly[ids].sum())

@@ -1,0 +1,162 @@
+"""Typed, validated settings of the selection policies (``SpecFitConfig.policy_kwargs``).
+
+``SpecFitConfig(policy="specfit", policy_kwargs={...})`` stores the dict verbatim (it is
+saved as JSON with the config) and checks it when the config is built: each policy
+declares a frozen dataclass of options, and :func:`parse_options` turns the dict into
+it, rejecting unknown keys (naming the valid ones) and values of the wrong type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, TypeVar
+
+from .acceptance import AcceptanceCalibrator
+from .experts import available_predictors
+from .search import CostModel
+
+__all__ = ["SpecFitOptions", "parse_options"]
+
+OptionsT = TypeVar("OptionsT")
+
+
+@dataclass(frozen=True)
+class SpecFitOptions:
+    """Options of the ``specfit`` policy (all optional; pass them as ``policy_kwargs``)."""
+
+    cost: CostModel | None = None
+    """Starting verification cost model: a :class:`CostModel` or a dict ``{"t0", "t_token",
+    "t_expert"}`` (give a dict if the config is to be saved).  Default: :attr:`calibrate`,
+    else a default whose ``t_expert`` comes from the emulated link when there is one."""
+
+    calibrate: bool = False
+    """Profile this host at the start of ``generate`` (:func:`~specfit_hf.selection.calibrate`)."""
+
+    expert_predictor: str = "auto"
+    """Which experts each draft node will route to: ``auto`` (the draft's expert heads when
+    it has them, else ``history+router``), ``router``, ``history``, ``history+router``,
+    ``heads`` or ``none``."""
+
+    max_nodes: int | None = None
+    """Only the ``max_nodes`` most likely nodes are search candidates (None: all useful nodes)."""
+
+    online_cost: bool = True
+    """Refit the cost model from measured cycles (else keep the starting model)."""
+
+    acceptance: dict = field(default_factory=dict)
+    """Arguments of the :class:`~specfit_hf.selection.AcceptanceCalibrator` (``num_bins``,
+    ``prior_weight``, ``decay``, ``depth_aware``, ``rank_aware``)."""
+
+    adaptive_drafting: bool = True
+    """Skip drafting while measured tokens/s of cycles that draft trail those of plain
+    cycles (with exploring cycles of the other kind, see :attr:`explore_every`)."""
+
+    explore_every: int = 8
+    """Cycles between two explorations of the slower kind of cycle (drafting vs plain)."""
+
+    max_explore_every: int = 64
+    """The exploration interval doubles while the ranking holds, up to this."""
+
+    lookahead: bool = True
+    """Stop rule: keep drafting while a chain below a frontier node could still beat the
+    current optimum (else stop as soon as the optimum holds no node of the newest level)."""
+
+    share_acceptance: bool = True
+    """Keep acceptance estimates across ``generate`` calls with the same draft model."""
+
+    share_drafting: bool = True
+    """Keep drafting rates and costs across calls with the same offload runtime and draft."""
+
+    ema: float = 0.3
+    """Weight of the newest cycle in the drafting measurements (EMA / decayed sums)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cost, Mapping):
+            object.__setattr__(self, "cost", _cost_model(self.cost))
+        if self.expert_predictor not in available_predictors():
+            raise ValueError(f"policy_kwargs['expert_predictor'] must be one of {available_predictors()}, "
+                             f"got {self.expert_predictor!r}")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError(f"policy_kwargs['max_nodes'] must be >= 1 or None, got {self.max_nodes}")
+        if self.explore_every < 1 or self.max_explore_every < 1:
+            raise ValueError("policy_kwargs['explore_every'] and ['max_explore_every'] must be >= 1")
+        if not 0 < self.ema <= 1:
+            raise ValueError(f"policy_kwargs['ema'] must be in (0, 1], got {self.ema}")
+        _check_calibrator_args(self.acceptance)
+
+
+def _cost_model(value: Mapping) -> CostModel:
+    names = [f.name for f in dataclasses.fields(CostModel)]
+    missing = [n for n in names if n not in value]
+    extra = [k for k in value if k not in names]
+    if missing or extra:
+        raise ValueError(f"policy_kwargs['cost'] needs exactly the fields {names}; "
+                         f"missing {missing}, unknown {extra}")
+    for name in names:
+        if isinstance(value[name], bool) or not isinstance(value[name], (int, float)):
+            raise ValueError(f"policy_kwargs['cost'][{name!r}] must be a number, got {value[name]!r}")
+    return CostModel(**{n: float(value[n]) for n in names})
+
+
+def _check_calibrator_args(args: Mapping) -> None:
+    accepted = list(inspect.signature(AcceptanceCalibrator).parameters)
+    unknown = [k for k in args if k not in accepted]
+    if unknown:
+        raise ValueError(f"policy_kwargs['acceptance'] has unknown keys {unknown}; valid: {accepted}")
+    try:
+        AcceptanceCalibrator(**args)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"policy_kwargs['acceptance'] is invalid: {err}") from None
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` fits a field annotation (bool is not a number; int is a float)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is CostModel:
+        return isinstance(value, (CostModel, Mapping))
+    if annotation is dict:
+        return isinstance(value, Mapping)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    return isinstance(value, annotation)
+
+
+def parse_options(options_class: type[OptionsT], kwargs: Any, policy: str) -> OptionsT:
+    """``options_class`` built from ``kwargs``; ``ValueError`` naming any unknown key or bad type."""
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"policy_kwargs must be a dict, got {type(kwargs).__name__} {kwargs!r}")
+    hints = typing.get_type_hints(options_class)
+    valid = [f.name for f in dataclasses.fields(options_class)]
+    for key, value in kwargs.items():
+        if key not in valid:
+            near = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown option {key!r} for policy {policy!r}{hint}; valid options: {valid}")
+        if not _matches(value, hints[key]):
+            raise ValueError(f"policy_kwargs[{key!r}] for policy {policy!r} must be {_describe(hints[key])}, "
+                             f"got {type(value).__name__} {value!r}")
+    values = {k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in kwargs.items()}
+    return options_class(**values)
+
+
+def _describe(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "")
+    return {"<class 'bool'>": "a bool", "<class 'int'>": "an int", "<class 'float'>": "a number",
+            "<class 'str'>": "a str", "<class 'dict'>": "a dict"}.get(text, text)
