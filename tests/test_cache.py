@@ -97,23 +97,47 @@ def _sliding_model(name: str, seed: int = 0):
     return model
 
 
-def test_sliding_window_layers_are_kept_whole():
-    cfg = _sliding_configs()["gpt_oss"]
+def test_sliding_window_layers_keep_the_block_until_commit_then_the_window():
+    from specfit_hf.generation.cache import TreeSlidingLayer
+
+    cfg = _sliding_configs()["gpt_oss"]  # window 4: layer 0 slides, layer 1 is full attention
     assert DynamicCache(config=cfg).is_sliding == [True, False]  # what transformers would build
     for cache in (SpecFitCache(config=cfg), SpecFitCache.from_dynamic(DynamicCache(config=cfg))):
-        assert cache.is_sliding == [False, False]
-        for _ in range(3):
-            for layer in range(2):
-                cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), layer_idx=layer)
-        assert [lay.keys.shape[-2] for lay in cache.layers] == [9, 9]  # nothing dropped past the window
-        cache.keep([0, 4, 8])
-        assert cache.get_seq_length() == 3
+        assert isinstance(cache.layers[0], TreeSlidingLayer) and cache.is_sliding == [True, False]
+        keys = torch.arange(9.0).reshape(1, 1, 9, 1).repeat(1, 2, 1, 8)
+        for layer in range(2):
+            cache.update(keys, -keys, layer_idx=layer)
+        assert [lay.keys.shape[-2] for lay in cache.layers] == [9, 9]  # a block is never cut before commit
+        assert cache.get_seq_length() == 9 and cache.sliding_offset == 0
+        cache.keep([0, 1, 2, 3, 5, 8])  # commit: prefix 0..3 plus accepted 5, 8
+        assert cache.get_seq_length() == 6
+        assert cache.layers[1].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 8]
+        # the sliding layer keeps the last window - 1 = 3 committed positions
+        assert cache.layers[0].keys[0, 0, :, 0].tolist() == [3, 5, 8] and cache.sliding_offset == 3
+        assert cache.get_mask_sizes(2, 0) == (5, 3)
+        cache.crop_to(5)
+        assert cache.layers[0].keys[0, 0, :, 0].tolist() == [3, 5] and cache.get_seq_length() == 5
+        with pytest.raises(ValueError, match="dropped"):
+            cache.crop_to(2)
     # A sliding layer that has already dropped positions cannot be adopted.
     dyn = DynamicCache(config=cfg)
     for layer in range(2):
         dyn.update(torch.zeros(1, 2, 9, 8), torch.zeros(1, 2, 9, 8), layer_idx=layer)
     with pytest.raises(UnsupportedCacheLayerError, match="dropped"):
         SpecFitCache.from_dynamic(dyn)
+
+
+def test_sliding_layers_hold_only_the_window_after_generate():
+    from specfit_hf.generation import SpecFitConfig
+
+    target = _sliding_model("gpt_oss")
+    ids = torch.tensor([[3, 9, 27, 14, 5, 60, 41]])
+    cfg = SpecFitConfig(max_new_tokens=16, min_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                        policy="eagle3", max_depth=4, tree_top_k=2, max_verify_nodes=6)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg)
+    cache = out.past_key_values
+    assert cache.layers[0].keys.shape[-2] <= 3 < cache.layers[1].keys.shape[-2]  # window 4 vs full history
+    assert cache.get_seq_length() == cache.layers[1].keys.shape[-2]
 
 
 def test_model_tree_masks_apply_the_window_per_layer_type():
@@ -128,6 +152,10 @@ def test_model_tree_masks_apply_the_window_per_layer_type():
     assert visible[3].nonzero().reshape(-1).tolist() == [6, 7, 8, 9]
     # Row 4 (depth 1, position 7) sees prefix positions 4, 5, the root and itself.
     assert visible[4].nonzero().reshape(-1).tolist() == [4, 5, 6, 10]
+    # sliding layers that dropped their first 2 positions get a mask without those columns
+    cut = model_tree_masks(_sliding_configs()["gpt_oss"], mask, 6 + block_depths(parents), sliding_offset=2)
+    assert torch.equal(cut["sliding_attention"], masks["sliding_attention"][..., 2:])
+    assert cut["full_attention"] is mask
     single = model_tree_masks(_sliding_configs()["mistral"], mask, 6 + block_depths(parents))
     assert torch.equal(single, masks["sliding_attention"])
     with pytest.raises(ValueError, match="queries"):

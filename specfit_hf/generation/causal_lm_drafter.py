@@ -93,7 +93,8 @@ class CausalLMTreeDrafter(Drafter):
         """Causal mask of a plain chain of ``n`` tokens (a tree without branches)."""
         visible = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         mask = visibility_to_mask(visible, prefix_len, dtype=self.mask_dtype)
-        return model_tree_masks(self.model.config, mask, prefix_len + torch.arange(n))
+        return model_tree_masks(self.model.config, mask, prefix_len + torch.arange(n),
+                                sliding_offset=self.cache.sliding_offset)
 
     def _top_children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[m, V]`` logits -> (``[m, k]`` tokens, ``[m, k]`` probabilities)."""
@@ -166,7 +167,8 @@ class CausalLMTreeDrafter(Drafter):
         mask = visibility_to_mask(new_rows.to(self.device), self._committed_len, dtype=self.mask_dtype)
         positions = self._committed_len + tree.depths[frontier]
         key_positions = torch.cat([torch.arange(self._committed_len), self._region_pos, positions])
-        mask = model_tree_masks(self.model.config, mask, positions, key_positions)
+        mask = model_tree_masks(self.model.config, mask, positions, key_positions,
+                                sliding_offset=self.cache.sliding_offset)
         logits, hidden = self._forward(tree.tokens[frontier], positions, mask, k_front)
 
         self._region_anc = region_anc

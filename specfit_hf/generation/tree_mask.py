@@ -127,6 +127,7 @@ def model_tree_masks(
     mask: torch.Tensor,
     q_positions: torch.Tensor,
     k_positions: torch.Tensor | None = None,
+    sliding_offset: int = 0,
 ):
     """The attention-mask argument for a tree forward of a model with this ``config``.
 
@@ -136,6 +137,9 @@ def model_tree_masks(
     keys (default: the prefix ``0 .. K - q - 1`` followed by the block itself).  A
     sliding-window layer of window ``w`` (transformers' rule: query ``i`` sees key ``j`` iff
     ``i - j < w``) must also hide every prefix or ancestor key ``w`` or more positions back.
+
+    ``sliding_offset``: leading keys the sliding-window cache layers no longer hold
+    (:attr:`SpecFitCache.sliding_offset`); the sliding mask drops those columns.
 
     Returns ``mask`` unchanged for a model without sliding layers, the windowed mask when
     every layer slides (Mistral), and ``{"full_attention": mask, "sliding_attention":
@@ -152,7 +156,7 @@ def model_tree_masks(
     if (q_pos.numel(), k_pos.numel()) != tuple(mask.shape[-2:]):
         raise ValueError(f"mask {tuple(mask.shape)} does not match {q_pos.numel()} queries and {k_pos.numel()} keys")
     too_far = (q_pos[:, None] - k_pos[None, :]) >= window
-    windowed = mask.masked_fill(too_far[None, None], torch.finfo(mask.dtype).min)
+    windowed = mask.masked_fill(too_far[None, None], torch.finfo(mask.dtype).min)[..., int(sliding_offset):]
     if not has_full:
         return windowed
     return {"full_attention": mask, "sliding_attention": windowed}

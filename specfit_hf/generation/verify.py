@@ -48,7 +48,8 @@ def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
     out = target(
         input_ids=candidates.input_ids,
         attention_mask=model_tree_masks(
-            target.config, candidates.attention_mask, candidates.prefix_len + candidates.depths
+            target.config, candidates.attention_mask, candidates.prefix_len + candidates.depths,
+            sliding_offset=getattr(cache, "sliding_offset", 0),
         ),
         position_ids=candidates.position_ids,
         past_key_values=cache,
