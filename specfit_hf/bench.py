@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .generation import SpecFitConfig
+from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .clock import clock
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
-from .selection import available_policies
+from .selection import available_policies, mape
 
 if TYPE_CHECKING:
     from .twin import Twin
@@ -95,12 +95,12 @@ class Variant:
     config: dict = field(default_factory=dict)
 
 
-EAGLE3_TREE = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
 
 # Static tree shapes: (max_depth, tree_top_k, max_verify_nodes).  Chains of depth 1-4, two
 # small trees and EAGLE-3's default tree.
 STATIC_FAMILY: tuple[tuple[int, int, int], ...] = (
-    (1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (3, 2, 4), (4, 3, 8), (7, 10, 60),
+    (1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (3, 2, 4), (4, 3, 8),
+    (EAGLE3_DEFAULTS["max_depth"], EAGLE3_DEFAULTS["tree_top_k"], EAGLE3_DEFAULTS["max_verify_nodes"]),
 )
 _STATIC_RE = re.compile(r"^static:d(\d+)k(\d+)n(\d+)$")
 
@@ -136,17 +136,17 @@ def default_variants(
     """
     variants = [
         Variant("autoregressive", None),
-        Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=dict(EAGLE3_TREE)),
-        Variant("eagle3", "eagle3", config=dict(EAGLE3_TREE)),
+        Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=dict(EAGLE3_DEFAULTS)),
+        Variant("eagle3", "eagle3", config=dict(EAGLE3_DEFAULTS)),
     ]
     if best_n is not None:
-        variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(best_n)}))
+        variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_DEFAULTS, "max_verify_nodes": int(best_n)}))
     variants.extend(static_family())
     if static_best is not None:
         variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
-    variants.append(Variant("specfit", "specfit", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
+    variants.append(Variant("specfit", "specfit", config=dict(EAGLE3_DEFAULTS)))
     if include_oracle and "oracle" in available_policies():
-        variants.append(Variant("oracle", "oracle", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
+        variants.append(Variant("oracle", "oracle", config=dict(EAGLE3_DEFAULTS)))
     return variants
 
 
@@ -374,7 +374,7 @@ def tune_fixed_n(
     Use prompts disjoint from the evaluation prompts (the benchmark takes them from
     further down the same split).
     """
-    variants = {int(n): Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(n)})
+    variants = {int(n): Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_DEFAULTS, "max_verify_nodes": int(n)})
                 for n in candidates}
     return _tune(target, draft, prompts_ids, max_new_tokens, variants, "tune eagle3 N")
 
@@ -393,13 +393,6 @@ def tune_static(
     """
     family = list(family) if family is not None else static_family()
     return _tune(target, draft, prompts_ids, max_new_tokens, {v.label: v for v in family}, "tune static tree")
-
-
-def _mape(predicted: list[float], measured: list[float]) -> float:
-    pairs = [(p, m) for p, m in zip(predicted, measured) if not math.isnan(p) and m > 0]
-    if not pairs:
-        return float("nan")
-    return 100.0 * statistics.fmean(abs(p - m) / m for p, m in pairs)
 
 
 def summarize(
@@ -432,7 +425,7 @@ def summarize(
             "mean_accepted": statistics.fmean(len(r.new_tokens) / max(1, r.cycles) for r in vruns),
             "experts_loaded_per_token": sum(r.experts_loaded for r in vruns) / max(1, committed),
             "bytes_per_token": sum(r.bytes_h2d for r in vruns) / max(1, committed),
-            "cycle_time_mape_pct": _mape(
+            "cycle_time_mape_pct": mape(
                 [p for r in vruns for p in r.predicted_cycle_seconds], [m for r in vruns for m in r.measured_cycle_seconds]
             ),
             "selection_overhead_share": (

@@ -1,7 +1,9 @@
 """The ``specfit`` command line: ``generate``, ``bench``, ``report`` and ``calibrate``.
 
-All three default to the tiny model pair shipped in ``model_cards/`` and, on a host
-without CUDA, to an emulated PCIe link (see :mod:`specfit_hf.regimes`).
+``generate``, ``bench`` and ``calibrate`` default to the tiny model pair shipped with the
+package (:mod:`specfit_hf.embedded`) and, on a host without CUDA, to an emulated PCIe link
+(see :mod:`specfit_hf.regimes`) or a device twin (``--twin``, :mod:`specfit_hf.twin`);
+``report`` merges their results.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from transformers import LogitsProcessorList
 
 from ..tree import VerifyResult
 from .candidates import TreeCandidates
-from .tree_mask import model_tree_masks
+from .tree_mask import has_sliding_layers, model_tree_masks, tree_attention_mask
 
 __all__ = ["verify_forward", "accept", "AcceptOutput"]
 
@@ -45,10 +45,16 @@ def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
         raise RuntimeError(
             f"target cache holds {cache.get_seq_length()} tokens, the tree expects {candidates.prefix_len}"
         )
+    mask = candidates.attention_mask
+    if mask is None and has_sliding_layers(target.config):
+        # a plain step still needs the window: the cache keeps sliding layers whole
+        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+        mask = tree_attention_mask(candidates.block_parents, candidates.prefix_len, dtype=dtype,
+                                   device=candidates.input_ids.device)
     out = target(
         input_ids=candidates.input_ids,
-        attention_mask=model_tree_masks(
-            target.config, candidates.attention_mask, candidates.prefix_len + candidates.depths
+        attention_mask=None if mask is None else model_tree_masks(
+            target.config, mask, candidates.prefix_len + candidates.depths
         ),
         position_ids=candidates.position_ids,
         past_key_values=cache,
