@@ -165,20 +165,10 @@ def test_public_layout_folder_loads_with_identical_logits(tmp_path, target):
     draft = Eagle3DraftModel.from_pretrained(tmp_path).eval()
     assert draft.embeddings_from_target  # no embed_tokens in the folder
     assert draft.config.head_dim == 16 and draft.midlayer.self_attn.q_proj.weight.shape == (64, 2 * HIDDEN)
-    drafter = draft.make_tree_drafter(target, type("C", (), {"tree_top_k": 3})())
-    assert isinstance(drafter, Eagle3TreeDrafter)
-    # SGLang "output of layer id" convention by default: ids 1, 4, 5 -> HF indices 2, 5, 6
-    assert drafter.target_feature_indices == (2, 5, 6)
-
-    ids = torch.randint(0, VOCAB, (1, 9))
-    feats = torch.randn(1, 9, 3 * HIDDEN)
-    with torch.no_grad():
-        got = draft(ids, target_features=feats).logits
-        want = _reference_step(sd, cfg, target.get_input_embeddings().weight, ids, feats)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # d2t offsets: draft id d is target id d + d2t[d]
-    target_ids = torch.nonzero(sd["t2d"]).reshape(-1)
-    assert torch.equal(draft.draft_to_target(torch.arange(40)), target_ids)
+    assert isinstance(draft.make_tree_drafter(target, None), Eagle3TreeDrafter)
+    # SGLang "output of layer id" convention by default: ids 1, 4, 5 -> HF indices 2, 5, 6;
+    # logits equal the reference written from the public names; d2t offsets (d -> d + d2t[d]).
+    _check_loads_like_reference(tmp_path, sd, cfg, target, (2, 5, 6))
 
 
 def _public_cfg(**over) -> dict:
@@ -205,6 +195,15 @@ def _check_loads_like_reference(folder, sd, cfg, target, indices):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(draft.draft_to_target(torch.arange(40)), torch.nonzero(sd["t2d"]).reshape(-1))
     assert torch.equal(draft.t2d, sd["t2d"])
+    # and it drafts for generate: greedy-identical to the target alone
+    from specfit_hf.generation import SpecFitConfig
+
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    cfg = SpecFitConfig(max_new_tokens=10, do_sample=False, policy="eagle3", max_depth=3, tree_top_k=3,
+                        max_verify_nodes=6, return_dict_in_generate=True)
+    out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
+    assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=10, do_sample=False))
+    assert sum(c.nodes_verified for c in out.cycles) > 0
     return draft
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -29,10 +30,13 @@ def test_embedded_pair_lookup_order(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_wheel_ships_the_pair_and_load_pair_finds_it(tmp_path):
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
+    leftovers = [p for p in (REPO / "build", REPO / "specfit_hf.egg-info") if not p.exists()]
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
         capture_output=True, text=True, cwd=tmp_path,
     )
+    for path in leftovers:  # the in-tree build's scratch folders (gitignored)
+        shutil.rmtree(path, ignore_errors=True)
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheel_dir.glob("specfit_hf-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

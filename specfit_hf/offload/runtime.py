@@ -640,11 +640,13 @@ def offload_experts(
             raise ValueError(f"layer {idx} experts already carry an accelerate hook (device_map dispatch?)")
         fmt = quantized_expert_format(experts, model.config)
         if fmt is not None:
+            hint = ("quantization_config=FineGrainedFP8Config(dequantize=True)" if "FP8" in fmt
+                    else "quantization_config=Mxfp4Config(dequantize=True)" if "MXFP4" in fmt
+                    else "without quantization_config")
             raise ValueError(
                 f"offload_experts does not support {fmt} experts (layer {idx}, {type(experts).__name__}): their "
-                "scales are indexed by expert id and would not follow the slots. Load the model dequantized "
-                "(e.g. quantization_config=FineGrainedFP8Config(dequantize=True) / Mxfp4Config(dequantize=True)) "
-                "or in bf16"
+                f"scales are indexed by expert id and would not follow the slots. Load the model dequantized "
+                f"({hint}), e.g. in bf16"
             )
         for name in adapter.expert_params:
             param = getattr(experts, name, None)
