@@ -82,7 +82,7 @@ def run_e2e(args) -> None:
 
     if args.eagle3_draft:
         from specfit_hf.eagle3 import Eagle3DraftModel
-        from specfit_hf.eagle3.testing import tiny_target
+        from specfit_hf.testing import tiny_target
 
         target = tiny_target(seed=args.seed, num_layers=4)  # the target examples/measure_expert_predictors.py trains on
         draft = Eagle3DraftModel.from_pretrained(args.eagle3_draft, dtype=torch.float32).eval()

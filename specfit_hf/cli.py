@@ -120,9 +120,9 @@ def load_pair(model: str | None, draft: str | None, device: str) -> tuple[Any, A
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .data import default_model_paths
+    from .embedded import embedded_pair
 
-    defaults = default_model_paths()
+    defaults = embedded_pair()  # checkout, editable or plain install (specfit_hf/model_cards)
     model_path = Path(model) if model else defaults.target
     draft_path = Path(draft) if draft else defaults.draft
     for what, path in (("target", model_path), ("draft", draft_path)):

@@ -139,7 +139,8 @@ class Selection:
 
     ``nodes`` are sorted tree indices, ancestor-closed; empty means a plain decode step
     (only the root is verified).  The predicted figures are filled by policies that
-    model the cycle (``specfit``); others leave them ``nan``.
+    model the cycle (``specfit``); others leave them ``nan``.  ``expand`` / ``children``
+    steer the next draft level (the drafting width is the policy's decision too).
     """
 
     nodes: torch.Tensor
@@ -147,6 +148,11 @@ class Selection:
     predicted_time: float = float("nan")
     throughput: float = float("nan")
     stop: bool = False  # the policy asks the drafter to stop expanding
+    # How to draft the next level (unless ``stop``): which nodes of the newest level to
+    # expand and how many children each gets; ``None`` leaves it to the drafter's own
+    # rule (the ``tree_top_k`` most likely nodes, ``tree_top_k`` children each).
+    expand: torch.Tensor | None = None
+    children: int | None = None
 
     def __len__(self) -> int:
         return int(self.nodes.numel())

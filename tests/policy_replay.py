@@ -7,7 +7,7 @@ a draft step ``T_DRAFT``, an expert load ``T_EXPERT`` on a virtual emulated link
 the policy's own work costs nothing.  The same code then takes the same decisions on
 any machine, so a trace recorded once pins the policy's behaviour: every selection
 (nodes, stop flag, predicted figures) of every draft level of every cycle, and the
-generated tokens.
+generated tokens, and the drafting plan (nodes to expand, children each).
 
     python tests/policy_replay.py --write     # re-record after an intended behaviour change
 """
@@ -48,8 +48,9 @@ class _RecordingSpecFit(SpecFitPolicy):
 
     def select(self, tree, ctx):
         sel = super().select(tree, ctx)
-        _SELECTIONS.append([len(tree), sel.nodes.tolist(), bool(sel.stop), float(sel.expected_tokens),
-                            float(sel.predicted_time)])
+        expand = None if sel.expand is None else sel.expand.tolist()
+        _SELECTIONS.append([len(tree), sel.nodes.tolist(), bool(sel.stop), expand, sel.children,
+                            float(sel.expected_tokens), float(sel.predicted_time)])
         return sel
 
 

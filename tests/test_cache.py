@@ -29,7 +29,7 @@ def tree_blocks(draw, max_nodes=9):
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
 @given(block=tree_blocks(), prefix=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
        continuation=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4))
-@settings(max_examples=15, deadline=None)
+@settings(derandomize=True, max_examples=15, deadline=None)
 def test_gather_then_continue_equals_recompute(name, block, prefix, continuation):
     m = shared_tiny_model(name)
     parents, tokens, leaf = block
@@ -73,25 +73,102 @@ def test_from_dynamic_shares_tensors():
     assert cache.get_seq_length() == 2
 
 
-def test_sliding_window_layers_are_rejected():
-    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
-    with pytest.raises(UnsupportedCacheLayerError, match="sliding-window"):
-        SpecFitCache(config=cfg)
-    # The same error for an existing cache adopted later.
-    with pytest.raises(UnsupportedCacheLayerError):
-        SpecFitCache.from_dynamic(DynamicCache(config=cfg))
+def _sliding_configs():
+    """gpt-oss (sliding and full layers alternate) and Mistral (every layer slides), window 4."""
+    from transformers import GptOssConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    gpt_oss = GptOssConfig(**common, intermediate_size=24, num_hidden_layers=2, num_local_experts=8,
+                           num_experts_per_tok=2, sliding_window=4)
+    mistral = MistralConfig(**common, intermediate_size=48, num_hidden_layers=2, sliding_window=4)
+    return {"gpt_oss": gpt_oss, "mistral": mistral}
 
 
-def test_generate_rejects_sliding_window_target():
-    from transformers import MistralForCausalLM
+def _sliding_model(name: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_sliding_configs()[name], attn_implementation="eager").eval()
+    with torch.no_grad():
+        for pname, t in model.named_parameters():
+            if pname.endswith(("sinks", "_bias", "router.bias")):
+                t.normal_(0, 0.5)  # zero-initialised sinks/biases would hide their handling
+    return model
+
+
+def test_sliding_window_layers_are_kept_whole():
+    cfg = _sliding_configs()["gpt_oss"]
+    assert DynamicCache(config=cfg).is_sliding == [True, False]  # what transformers would build
+    for cache in (SpecFitCache(config=cfg), SpecFitCache.from_dynamic(DynamicCache(config=cfg))):
+        assert cache.is_sliding == [False, False]
+        for _ in range(3):
+            for layer in range(2):
+                cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), layer_idx=layer)
+        assert [lay.keys.shape[-2] for lay in cache.layers] == [9, 9]  # nothing dropped past the window
+        cache.keep([0, 4, 8])
+        assert cache.get_seq_length() == 3
+    # A sliding layer that has already dropped positions cannot be adopted.
+    dyn = DynamicCache(config=cfg)
+    for layer in range(2):
+        dyn.update(torch.zeros(1, 2, 9, 8), torch.zeros(1, 2, 9, 8), layer_idx=layer)
+    with pytest.raises(UnsupportedCacheLayerError, match="dropped"):
+        SpecFitCache.from_dynamic(dyn)
+
+
+def test_model_tree_masks_apply_the_window_per_layer_type():
+    from specfit_hf.generation.tree_mask import model_tree_masks
+
+    parents = torch.tensor([-1, 0, 1, 2, 0])  # a chain of depth 3 plus a second child of the root
+    mask = tree_attention_mask(parents, prefix_len=6)
+    masks = model_tree_masks(_sliding_configs()["gpt_oss"], mask, 6 + block_depths(parents))
+    assert set(masks) == {"full_attention", "sliding_attention"} and masks["full_attention"] is mask
+    visible = masks["sliding_attention"][0, 0] == 0
+    # Row 3 (depth 3, position 9) sees positions 6..9 only: prefix 6..5 -> nothing; block 0, 1, 2, 3.
+    assert visible[3].nonzero().reshape(-1).tolist() == [6, 7, 8, 9]
+    # Row 4 (depth 1, position 7) sees prefix positions 4, 5, the root and itself.
+    assert visible[4].nonzero().reshape(-1).tolist() == [4, 5, 6, 10]
+    single = model_tree_masks(_sliding_configs()["mistral"], mask, 6 + block_depths(parents))
+    assert torch.equal(single, masks["sliding_attention"])
+    with pytest.raises(ValueError, match="queries"):
+        model_tree_masks(_sliding_configs()["mistral"], mask, torch.arange(3))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mistral"])
+def test_generate_with_sliding_window_target_matches_generate(name):
     from specfit_hf.generation import SpecFitConfig
 
-    torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
-    target = MistralForCausalLM(cfg).eval()
-    with pytest.raises(UnsupportedCacheLayerError):
-        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=target,
-                        generation_config=SpecFitConfig(max_new_tokens=3))
+    from test_generation import noisy_copy
+
+    target = _sliding_model(name)
+    drafts = {"self": target, "noisy": noisy_copy(target, scale=0.2)}
+    accepted = {k: 0 for k in drafts}
+    g = torch.Generator().manual_seed(3)
+    for trial in range(4):
+        ids = torch.randint(0, VOCAB, (1, 6 + trial), generator=g)  # window 4 < prompt + 20 new tokens
+        ref = target.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        for draft_name, draft in drafts.items():
+            for settings in (dict(policy="eagle3", max_depth=4, tree_top_k=3, max_verify_nodes=8),
+                             dict(policy="specfit", max_depth=5, tree_top_k=3)):
+                cfg = SpecFitConfig(max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                    return_dict_in_generate=True, **settings)
+                out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+                assert torch.equal(out.sequences, ref), (name, draft_name, settings, trial)
+                assert isinstance(out.past_key_values, SpecFitCache)
+                accepted[draft_name] += sum(c.tokens_accepted for c in out.cycles)
+    assert accepted["self"] >= 4 * 2 * 5  # paths past the window were accepted
+    assert accepted["noisy"] > 0
+
+
+def test_config_less_cache_keeps_the_window_exact():
+    """A user-supplied ``SpecFitCache()`` (no config) still gives the target's own greedy tokens."""
+    from specfit_hf.generation import SpecFitConfig
+
+    target = _sliding_model("gpt_oss")
+    ids = torch.tensor([[3, 9, 27, 14, 5, 60, 41]])
+    ref = target.generate(ids, do_sample=False, max_new_tokens=16, min_new_tokens=16)
+    cfg = SpecFitConfig(max_new_tokens=16, min_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                        policy="eagle3", max_depth=4, tree_top_k=2, max_verify_nodes=6)
+    out = target.generate(ids, assistant_model=target, generation_config=cfg, past_key_values=SpecFitCache())
+    assert torch.equal(out.sequences, ref)
+    assert sum(c.tokens_accepted for c in out.cycles) > 0

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specfit_hf.eagle3 import DraftKVCache, Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter
-from specfit_hf.eagle3.testing import HIDDEN, VOCAB, tiny_draft, tiny_target
+from specfit_hf.testing import HIDDEN, VOCAB, aligned_eagle3_draft, tiny_draft, tiny_draft_config, tiny_target
 from specfit_hf.features import capture_hidden_states
 from specfit_hf.tree import DraftTree, VerifyResult
 
@@ -181,6 +181,111 @@ def test_public_layout_folder_loads_with_identical_logits(tmp_path, target):
     assert torch.equal(draft.draft_to_target(torch.arange(40)), target_ids)
 
 
+def _public_cfg(**over) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": HIDDEN // 4,
+        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": 256,
+        "vocab_size": VOCAB, "draft_vocab_size": 40, "target_hidden_size": HIDDEN, "hidden_act": "silu",
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    cfg.update(over)
+    return cfg
+
+
+def _check_loads_like_reference(folder, sd, cfg, target, indices):
+    draft = Eagle3DraftModel.from_pretrained(folder).eval()
+    drafter = draft.make_tree_drafter(target, type("C", (), {"tree_top_k": 3})())
+    assert drafter.target_feature_indices == indices
+    ids = torch.randint(0, VOCAB, (1, 9))
+    feats = torch.randn(1, 9, 3 * HIDDEN)
+    with torch.no_grad():
+        got = draft(ids, target_features=feats).logits
+        want = _reference_step(sd, cfg, target.get_input_embeddings().weight, ids, feats)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(draft.draft_to_target(torch.arange(40)), torch.nonzero(sd["t2d"]).reshape(-1))
+    assert torch.equal(draft.t2d, sd["t2d"])
+    return draft
+
+
+def test_modelopt_export_with_d2t_only_loads(tmp_path, target):
+    """ModelOpt's export (hf_spec_export): official midlayer.* names, d2t but no t2d, LlamaForCausalLM."""
+    cfg = _public_cfg(architectures=["LlamaForCausalLM"], eagle_config={
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True,
+        "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True, "use_mtp_layernorm": False})
+    sd = _public_state_dict(cfg)
+    save_file({k: v for k, v in sd.items() if k != "t2d"}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # ModelOpt collects the outputs of layers 1, 3, 5: HF indices 2, 4, 6
+    _check_loads_like_reference(tmp_path, sd, cfg, target, (2, 4, 6))
+
+
+def test_top_level_layer_ids_are_honoured_as_hf_indices(tmp_path, target):
+    """vLLM-style configs keep eagle_aux_hidden_state_layer_ids at the top level (HF indices)."""
+    cfg = _public_cfg(eagle_aux_hidden_state_layer_ids=[1, 3, 6])
+    sd = _public_state_dict(cfg)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    draft = _check_loads_like_reference(tmp_path, sd, cfg, target, (1, 3, 6))
+    assert draft.config.eagle_config["aux_hidden_state_id_convention"] == "hf_index"
+    # saved and reloaded: the same layers
+    draft.save_pretrained(tmp_path / "again")
+    again = Eagle3DraftModel.from_pretrained(tmp_path / "again")
+    assert again.make_tree_drafter(target, None).target_feature_indices == (1, 3, 6)
+    with pytest.raises(ValueError, match="naming other layers"):
+        Eagle3Config(**_public_cfg(eagle_aux_hidden_state_layer_ids=[1, 3, 6],
+                                   eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}))
+
+
+@pytest.mark.parametrize("fc_bias", [False, True])
+def test_speculators_layout_loads(tmp_path, target, fc_bias):
+    """vLLM speculators: layers.0.* keys, nested transformer_layer_config, top-level ids, verifier_* extras."""
+    layer_cfg = {k: v for k, v in _public_cfg().items()
+                 if k not in ("architectures", "draft_vocab_size", "target_hidden_size", "torch_dtype")}
+    raw = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.2.0",
+        "transformer_layer_config": layer_cfg, "draft_vocab_size": 40, "norm_before_residual": False,
+        "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "verifier": {"name_or_path": None, "architectures": ["Qwen3MoeForCausalLM"]}},
+    }
+    cfg = _public_cfg()
+    sd = _public_state_dict(cfg)
+    files = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+    files["verifier_norm.weight"] = torch.ones(HIDDEN)  # present in training checkpoints: ignored
+    if fc_bias:
+        bias = torch.randn(HIDDEN) * 0.1
+        files["fc.bias"] = bias
+    save_file(files, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if not fc_bias:
+        draft = _check_loads_like_reference(tmp_path, sd, cfg, target, (2, 4, 5))
+    else:
+        draft = Eagle3DraftModel.from_pretrained(tmp_path).eval()
+        assert torch.equal(draft.fc.bias, bias)
+    assert draft.config.hidden_feedback == "pre_norm"
+    assert torch.equal(draft.midlayer.self_attn.q_proj.weight, sd["midlayer.self_attn.q_proj.weight"])
+
+
+def test_norm_output_choice_is_explicit(tmp_path):
+    """norm_output alone means post-norm feedback; eagle_config.hidden_feedback overrides; saved explicitly."""
+    post = tiny_draft_config(norm_output=True)
+    assert post.hidden_feedback == "post_norm"
+    pre = tiny_draft_config(norm_output=True, eagle_config={"hidden_feedback": "pre_norm"})
+    assert pre.hidden_feedback == "pre_norm"
+    assert tiny_draft_config().hidden_feedback == "pre_norm"
+    with pytest.raises(ValueError, match="hidden_feedback"):
+        tiny_draft_config(eagle_config={"hidden_feedback": "both"})
+    for cfg in (post, pre):
+        model = Eagle3DraftModel(cfg).eval()
+        out = torch.randn(1, 3, cfg.hidden_size)
+        fed = model.next_hidden(out)
+        assert torch.equal(fed, model.norm(out) if cfg.hidden_feedback == "post_norm" else out)
+        model.save_pretrained(tmp_path / cfg.hidden_feedback)
+        written = json.loads((tmp_path / cfg.hidden_feedback / "config.json").read_text())
+        assert written["eagle_config"]["hidden_feedback"] == cfg.hidden_feedback
+
+
 def test_bin_checkpoints_only_with_weights_only(tmp_path):
     draft = tiny_draft()
     # a .bin folder written by hand (transformers 5 saves safetensors only)
@@ -229,12 +334,6 @@ def test_layer_id_conventions_pick_the_same_layers(tmp_path, target):
         tiny_draft_config(eagle_config={"aux_hidden_state_id_convention": "vllm"})
     with pytest.raises(ValueError, match="outside"):
         hf.target_feature_indices(4)
-
-
-def tiny_draft_config(**kw) -> Eagle3Config:
-    from specfit_hf.eagle3.testing import tiny_draft_config as make
-
-    return make(**kw)
 
 
 def test_vocab_mapping():
@@ -338,33 +437,41 @@ def test_tree_levels_match_linear_drafting_across_commits(target, variant):
 # --------------------------------------------------------------------------- generate
 
 
-def _generate_case(target, draft, sample_kwargs=None):
+def _generate_case(target, draft, reference=None):
+    """(plain greedy reference, tree-speculative output, draft tokens accepted)."""
     from specfit_hf.generation import SpecFitConfig
 
     prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7))
-    ref = target.generate(prompt, max_new_tokens=24, do_sample=False)
-    cfg = SpecFitConfig(max_new_tokens=24, do_sample=False, max_depth=3, tree_top_k=3, max_verify_nodes=8)
+    ref = (reference or target).generate(prompt, max_new_tokens=24, do_sample=False)
+    cfg = SpecFitConfig(max_new_tokens=24, do_sample=False, max_depth=3, tree_top_k=3, max_verify_nodes=8,
+                        return_dict_in_generate=True)
     out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
-    return ref, out
+    return ref, out.sequences, sum(c.tokens_accepted for c in out.cycles)
 
 
 def test_generate_with_eagle3_draft_is_greedy_lossless(target):
-    pytest.importorskip("specfit_hf.generation.loop")
-    ref, out = _generate_case(target, tiny_draft())
+    # A draft that agrees with the target at depth 1: acceptance is exercised, not just rejection.
+    ref, out, accepted = _generate_case(target, aligned_eagle3_draft(target))
+    assert torch.equal(ref, out)
+    assert accepted >= 6
+    # and a random draft (nearly everything rejected) is lossless too
+    ref, out, _ = _generate_case(target, tiny_draft())
     assert torch.equal(ref, out)
 
 
 def test_generate_lossless_with_offloaded_experts(target):
-    pytest.importorskip("specfit_hf.offload.runtime")
     from specfit_hf.offload import offload_experts
 
-    ref_target = tiny_target()
-    runtime = offload_experts(ref_target, device="cpu", slots_per_layer=3)
+    plain = tiny_target()  # the reference is generated by the un-offloaded model
+    offloaded = tiny_target()
+    runtime = offload_experts(offloaded, device="cpu", slots_per_layer=3)
     try:
-        ref, out = _generate_case(ref_target, tiny_draft())
+        ref, out, accepted = _generate_case(offloaded, aligned_eagle3_draft(plain), reference=plain)
+        assert runtime.stats.total.misses > 0
     finally:
         runtime.detach()
     assert torch.equal(ref, out)
+    assert accepted >= 6
 
 
 def test_generate_sampling_runs_with_eagle3_draft(target):

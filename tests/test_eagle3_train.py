@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specfit_hf.eagle3 import DraftKVCache, Eagle3DraftModel
-from specfit_hf.eagle3.testing import VOCAB, tiny_draft, tiny_target
+from specfit_hf.testing import VOCAB, tiny_draft, tiny_target
 from specfit_hf.eagle3.train import (
     TargetTeacher,
     TrainConfig,

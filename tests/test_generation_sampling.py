@@ -145,6 +145,8 @@ def test_generate_sampling_matches_target_distribution(temperature, top_k, top_p
     v = 8
     target = tiny_llama(21, vocab=v)
     target.generation_config.eos_token_id = None  # every token is an ordinary token here
+    with torch.no_grad():  # a few likely tokens per step (a random head is nearly uniform): where the
+        target.lm_head.weight.mul_(4.0)  # draft's children hold most of the mass, sampler bugs show
     draft = noisy_copy(target, scale=0.5, seed=22)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
@@ -154,18 +156,33 @@ def test_generate_sampling_matches_target_distribution(temperature, top_k, top_p
         processors.append(TopPLogitsWarper(top_p))
     # The second token is committed by the tree cycle (the first comes from the prefill).
     exact = _exact_two_token_distribution(target, prompt, processors).reshape(-1)
-    cfg = SpecFitConfig(max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k or None,
-                        top_p=top_p, max_depth=3, tree_top_k=3, max_verify_nodes=8, pad_token_id=0)
+    # max_new_tokens=2: t1 from the prefill, t2 from the first tree cycle (its first committed
+    # token follows the target's distribution whatever the cycle accepts).
+    # policy "eagle3": every cycle verifies a tree (a cost-driven policy may skip drafting on a
+    # CPU, and then the rejection step would never run).
+    cfg = SpecFitConfig(max_new_tokens=2, do_sample=True, temperature=temperature, top_k=top_k or None,
+                        top_p=top_p, policy="eagle3", max_depth=3, tree_top_k=3, max_verify_nodes=8, pad_token_id=0,
+                        return_dict_in_generate=True)
     torch.manual_seed(0)
     counts = torch.zeros(v * v, dtype=torch.long)
-    for _ in range(300):
+    verified = 0
+    for _ in range(DRAWS):
         out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
-        t1, t2 = out[0, prompt.shape[1]].item(), out[0, prompt.shape[1] + 1].item()
+        t1, t2 = out.sequences[0, prompt.shape[1]].item(), out.sequences[0, prompt.shape[1] + 1].item()
         counts[t1 * v + t2] += 1
-    # Pool rare outcomes so chi-square expectations stay >= 5.
+        verified += sum(c.nodes_verified for c in out.cycles)
+    assert verified >= DRAWS  # the tree's rejection sampling decided t2
+    # The tree-committed token alone (8 categories, P(t2) = sum over t1): the most powerful
+    # check of the rejection step (a sampler without the residual renormalisation, or one
+    # that does not zero rejected children before the bonus draw, fails it).
+    _assert_matches(counts.reshape(v, v).sum(0), exact.reshape(v, v).sum(0), f"t2 at T={temperature}")
+    # The joint (t1, t2); pool rare outcomes so chi-square expectations stay >= 5.
     order = torch.argsort(exact, descending=True)
     expected = exact[order] * counts.sum()
     keep = int((expected >= 5).sum())
     pooled_counts = torch.cat([counts[order[:keep]], counts[order[keep:]].sum()[None]])
     pooled_probs = torch.cat([exact[order[:keep]], exact[order[keep:]].sum()[None]])
     _assert_matches(pooled_counts, pooled_probs, f"(t1, t2) at T={temperature}")
+
+
+DRAWS = 1500

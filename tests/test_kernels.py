@@ -288,31 +288,9 @@ def _experts_kernel_kwargs(experts):
 
 
 def _tiny_moe_model(arch):
-    from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from specfit_hf.testing import tiny_kernel_moe
 
-    torch.manual_seed(8)
-    common = dict(
-        vocab_size=64,
-        hidden_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
-    if arch == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            **common, intermediate_size=48, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2
-        )
-        model = Qwen3MoeForCausalLM(cfg)
-    else:
-        cfg = GptOssConfig(**common, intermediate_size=24, num_local_experts=6, num_experts_per_tok=2)
-        model = GptOssForCausalLM(cfg)
-        with torch.no_grad():  # the init leaves GPT-OSS expert biases at zero; make them matter
-            for layer in model.model.layers:
-                layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.5)
-                layer.mlp.experts.down_proj_bias.normal_(0, 0.1)
-    return model.eval()
+    return tiny_kernel_moe(arch)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])

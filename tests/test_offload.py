@@ -13,18 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    DeepseekV3Config,
-    GptOssConfig,
-    MixtralConfig,
-    OlmoeConfig,
-    PhimoeConfig,
-    Qwen2MoeConfig,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from transformers import AutoModelForCausalLM, PhimoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from specfit_hf.offload import (
     SUPPORTED_MODEL_TYPES,
@@ -34,61 +23,19 @@ from specfit_hf.offload import (
     get_runtime,
     offload_experts,
 )
+from specfit_hf.offload.pinning import PAGE_SIZE, pinned_bytes, pinning_plan
+from specfit_hf.testing import MOE_COMMON_KWARGS as _COMMON  # noqa: N811
+from specfit_hf.testing import MOE_ARCHS, MOE_EXPERTS, MOE_TOP_K, MOE_VOCAB, build_moe, moe_config
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*")
 
-NUM_EXPERTS = 16
-TOP_K = 2
-VOCAB = 96
-_COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-)
-
-
-def make_config(arch: str):
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**_COMMON, head_dim=8, moe_intermediate_size=24, num_experts=NUM_EXPERTS,
-                              num_experts_per_tok=TOP_K, norm_topk_prob=True)
-    if arch == "qwen2_moe":
-        return Qwen2MoeConfig(**_COMMON, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                              num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
-    if arch == "mixtral":
-        return MixtralConfig(**{**_COMMON, "intermediate_size": 24}, num_local_experts=NUM_EXPERTS,
-                             num_experts_per_tok=TOP_K)
-    if arch == "olmoe":
-        return OlmoeConfig(**{**_COMMON, "intermediate_size": 24}, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
-    if arch == "deepseek_v3":
-        return DeepseekV3Config(
-            **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=24,
-            n_routed_experts=NUM_EXPERTS, n_group=4, topk_group=2, num_experts_per_tok=TOP_K, first_k_dense_replace=1,
-            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )
-    if arch == "gpt_oss":
-        return GptOssConfig(**{**_COMMON, "intermediate_size": 24}, head_dim=8, num_local_experts=NUM_EXPERTS,
-                            num_experts_per_tok=TOP_K, sliding_window=8)
-    raise KeyError(arch)
-
-
-def build_model(arch: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="eager", dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        # Zero-initialised extras would hide layout bugs: make biases and DeepSeek's score
-        # correction bias random, and routers sharper so routing is decisive.
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith(("_proj_bias", "router.bias")):
-                tensor.normal_(0, 0.05)
-            elif name.endswith("e_score_correction_bias"):
-                tensor.uniform_(0, 0.2)
-            elif name.endswith(("gate.weight", "router.weight")) and tensor.dim() == 2 and tensor.shape[0] == NUM_EXPERTS:
-                tensor.normal_(0, 0.5)
-    return model
-
-
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
+# The builders live in specfit_hf.testing (one home for the tiny models); the names stay.
+NUM_EXPERTS = MOE_EXPERTS
+TOP_K = MOE_TOP_K
+VOCAB = MOE_VOCAB
+make_config = moe_config
+build_model = build_moe
+ARCHS = MOE_ARCHS
 PROMPT = torch.tensor([[5, 17, 33, 2, 71, 9, 40, 12, 88, 3]])
 NEW_TOKENS = 32
 
@@ -285,6 +232,86 @@ def test_non_persistent_cache_misses_every_forward():
         runtime.detach()
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_offloaded_is_bit_identical_when_experts_fit(arch, impl):
+    """bf16: every forward's experts fit in the slots -> logits bit-identical to the plain model,
+    although evictions put experts in slots out of id order (the runtime sums in id order).
+    ``eager`` (the experts loop) is order-sensitive; ``grouped_mm`` is the 5.23 default."""
+    # top-4: with top-2 the two terms of a token's sum commute, and order would never show.
+    model = build_model(arch, seed=2, top_k=4).to(torch.bfloat16)
+    model.config._experts_implementation = impl
+    prompt = PROMPT[:, :2]  # 2 tokens x top-4 <= 8 distinct experts: fits in 8 slots, no waves
+    gen = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(prompt, **gen)
+        ref_logits = torch.stack(ref.logits)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=8)
+    try:
+        with torch.no_grad():
+            out = model.generate(prompt, **gen)
+        assert runtime.stats.total.multi_wave_forwards == 0
+        assert runtime.stats.total.misses > 8 * len(runtime.moe_layers)  # experts were evicted
+        assert torch.equal(out.sequences, ref.sequences)
+        assert torch.equal(torch.stack(out.logits), ref_logits)  # bit-identical, not just close
+    finally:
+        runtime.detach()
+
+
+def test_waves_sum_each_wave_in_expert_order():
+    """With waves, a token whose experts share one wave is still bit-identical in bf16."""
+    model = build_model("qwen3_moe", seed=4, top_k=3).to(torch.bfloat16)
+    model.config._experts_implementation = "eager"
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 32, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(6, 3, generator=gen).to(torch.bfloat16)
+    # 6 distinct experts, 3 slots -> 2 waves ({3, 9, 12} resident first, then {1, 5, 7}); each token in one.
+    idx = torch.tensor([[12, 3, 9], [3, 9, 12], [7, 1, 5], [1, 7, 5], [12, 9, 3], [5, 7, 1]])
+    with torch.no_grad():
+        expected = experts(hidden, idx, weights)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=3)
+    try:
+        with torch.no_grad():
+            # 9, 12, 14 fill slots 0, 1, 2; then 3 replaces 14: ids 3, 9, 12 sit in slots 2, 0, 1
+            experts(hidden[:1], torch.tensor([[9, 12, 14]]), weights[:1])
+            experts(hidden[:1], torch.tensor([[3, 9, 12]]), weights[:1])
+            got = experts(hidden, idx, weights)
+        assert runtime.stats.layers[0].multi_wave_forwards == 1
+        assert torch.equal(got, expected)
+    finally:
+        runtime.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_speculation_with_offload_is_greedy_identical(arch, dtype):
+    """Every architecture: greedy through the draft tree with experts offloaded equals the plain
+    model's own generate (fp32 and bf16), and draft tokens are accepted.  gpt-oss's window (8) is
+    shorter than prompt + generated tokens (28)."""
+    from specfit_hf.generation import SpecFitConfig
+    from specfit_hf.testing import noisy_copy
+
+    plain = build_model(arch, seed=3).to(dtype)
+    ref = plain.generate(PROMPT, max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    draft = noisy_copy(plain, scale=0.1, seed=5)
+    target = build_model(arch, seed=3).to(dtype)
+    if dtype == torch.bfloat16:
+        target.config._experts_implementation = plain.config._experts_implementation = "eager"
+        ref = plain.generate(PROMPT, max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=8)
+    try:
+        cfg = SpecFitConfig(policy="eagle3", max_new_tokens=18, min_new_tokens=18, do_sample=False, max_depth=4,
+                            tree_top_k=2, max_verify_nodes=6, return_dict_in_generate=True)
+        out = target.generate(PROMPT, assistant_model=draft, generation_config=cfg)
+        assert runtime.stats.total.misses > 0
+    finally:
+        runtime.detach()
+    assert torch.equal(out.sequences, ref)
+    assert sum(c.tokens_accepted for c in out.cycles) > 0
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_experts_module_waves_and_shared_experts(arch):
     """Direct experts calls: many tokens on one expert; more distinct experts than slots."""
@@ -464,6 +491,57 @@ def test_bad_inputs_raise_and_change_nothing():
         assert torch.equal(model(PROMPT).logits, ref)
 
 
+@pytest.mark.parametrize("arch, fmt", [("deepseek_v3", "native FP8"), ("gpt_oss", "MXFP4")])
+def test_quantized_experts_are_refused_by_name(arch, fmt):
+    """transformers' own FP8 / MXFP4 experts modules: a clear error naming the format, nothing changed."""
+    if arch == "deepseek_v3":
+        from transformers.integrations.finegrained_fp8 import FP8Experts as Quantized
+
+        make = lambda cfg: Quantized(cfg, block_size=(16, 16))  # noqa: E731
+    else:
+        from transformers.integrations.mxfp4 import Mxfp4GptOssExperts as Quantized
+
+        make = Quantized
+    model = build_model(arch)
+    layer = model.model.layers[-1].mlp
+    layer.experts = make(model.config)
+    before = {n: (p, p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=fmt) as err:
+        offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+    assert "dequantize" in str(err.value)
+    assert get_runtime(model) is None
+    after = {n: (p, p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+    assert before.keys() == after.keys()
+    assert all(before[n][0] is after[n][0] and before[n][1:] == after[n][1:] for n in before)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_save_pretrained_of_offloaded_model_saves_full_experts(arch, tmp_path):
+    """save_pretrained on an offloaded model writes the full experts: the checkpoint reloads and equals the original."""
+    model = build_model(arch)
+    with torch.no_grad():
+        expected = model(PROMPT).logits
+    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+    try:
+        with torch.no_grad():
+            model(PROMPT)  # fill the slots with something
+        state = model.state_dict()
+        assert all(t.shape[0] == NUM_EXPERTS for n, t in state.items() if n.endswith(("gate_up_proj", "down_proj")))
+        model.save_pretrained(tmp_path)
+    finally:
+        runtime.detach()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(PROMPT).logits, expected)
+
+
+def test_quantization_config_is_refused():
+    model = build_model("qwen3_moe")
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+
+
 def test_failure_midway_is_rolled_back(monkeypatch):
     import specfit_hf.offload.runtime as runtime_module
 
@@ -514,6 +592,9 @@ def test_cuda_copy_stream_path(arch, fused):
     try:
         host = runtime._layers[runtime.moe_layers[0]].host["gate_up_proj"]
         assert host.device.type == "cpu" and host.is_pinned()
+        # page-locked in place / exact size: never the power-of-two rounding of pin_memory()
+        sizes = [t.numel() * t.element_size() for layer in runtime._layers.values() for t in layer.host.values()]
+        assert sum(sizes) <= runtime.pinned_bytes <= pinned_bytes(sizes, "register", offset=PAGE_SIZE - 1)
         with torch.no_grad():
             got = model(prompt).logits
         # the Triton kernel may use TF32 / other accumulation orders
@@ -526,6 +607,29 @@ def test_cuda_copy_stream_path(arch, fused):
     finally:
         runtime.detach()
     assert model.model.embed_tokens.weight.device.type == "cpu"
+
+
+def test_pinned_bytes_are_page_rounded_not_power_of_two():
+    assert pinned_bytes([4096], "register", page=4096, offset=0) == 4096
+    assert pinned_bytes([4096], "register", page=4096, offset=64) == 8192  # spans two pages
+    assert pinned_bytes([5000, 1], "register", page=4096, offset=0) == 8192 + 4096
+    assert pinned_bytes([5000, 1], "pin_memory") == 8192 + 1
+    with pytest.raises(ValueError, match="method"):
+        pinned_bytes([1], "mmap")
+
+
+def test_pinning_plan_of_qwen3_30b_a3b_fits_its_expert_bytes():
+    """The real Qwen3-30B-A3B shapes (meta device, no memory): ~1.0 bytes pinned per expert byte, was ~1.27."""
+    cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         num_experts=128, num_experts_per_tok=8, dtype="bfloat16")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    plan = pinning_plan(model)
+    assert plan.expert_bytes == 48 * 128 * 3 * 2048 * 768 * 2  # 57.98 GB
+    assert 1.0 <= plan.pinned_per_expert_byte < 1.0001
+    assert plan.pin_memory_bytes == 48 * (2**30 + 2**29)  # 1 GiB + 512 MiB per layer: 77.3 GB
+    assert plan.pin_memory_per_expert_byte == pytest.approx(4 / 3)  # the issue's 77 GB for 58 GB
 
 
 def _greedy_on(model, prompt):

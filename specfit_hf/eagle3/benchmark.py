@@ -19,21 +19,10 @@ import time
 import torch
 
 from ..features import capture_hidden_states, decoder_layers
+from ..testing import tiny_moe_target
 from ..tree import DraftTree
 from .modeling import Eagle3DraftModel
 from .train import TargetTeacher, draft_config_for_target, eagle3_loss
-
-
-def tiny_moe_target(vocab: int = 8192, hidden: int = 128, layers: int = 6, experts: int = 64, top_k: int = 4):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=80,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-        num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=2048,
-    )
-    return Qwen3MoeForCausalLM(cfg).eval()
 
 
 def _sync(device: torch.device) -> None:

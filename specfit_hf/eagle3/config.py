@@ -23,6 +23,32 @@ index ``k + 1``), vLLM as HF index ``k``.  Checkpoints in this key layout
 "layer_output"** (HF index = id + 1).  A checkpoint whose ids are HF indices says so with
 ``eagle_config.aux_hidden_state_id_convention = "hf_index"``.  Folders saved here write
 the convention explicitly.
+
+A top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ``LlamaForCausalLMEagle3`` configs,
+the speculators layout) is read as vLLM reads it: HF ``hidden_states`` indices
+(``hf_index``).  It is moved into ``eagle_config`` with that convention; a config with both,
+disagreeing, is an error.
+
+Public layouts read (each tested with its real key names, ``tests/test_eagle3.py``)
+-------------------------------------------------------------------------------
+* SafeAILab EAGLE / SpecForge / AngelSlim: ``midlayer.*``, ``d2t`` + ``t2d``.
+* ModelOpt export (``architectures ["LlamaForCausalLM"]``): ``midlayer.*`` and ``d2t``
+  without ``t2d``; ``t2d`` is derived from ``d2t``.
+* vLLM speculators (``speculators_model_type "eagle3"``, a nested
+  ``transformer_layer_config``): ``layers.0.*`` renamed to ``midlayer.*``, optional
+  ``fc.bias`` (older exports), top-level layer ids (:meth:`Eagle3Config.from_speculators`).
+
+``norm_output``: which hidden state is fed back
+-----------------------------------------------
+Trainers disagree on what ``norm_output: true`` means: EAGLE-3.1 / vLLM feed the
+*post-norm* state to the next draft step (``lm_head`` reads that same normed state),
+others only mean "the final norm sits before ``lm_head``" (which every EAGLE-3 draft
+does) and feed back the *pre-norm* state.  The choice is explicit here:
+:attr:`Eagle3Config.hidden_feedback` is ``"post_norm"`` or ``"pre_norm"``, from
+``eagle_config.hidden_feedback`` when the checkpoint states it (folders saved here always
+do), else ``"post_norm"`` when ``norm_output`` is set (the EAGLE-3.1 / vLLM reading) and
+``"pre_norm"`` otherwise; the speculators layout has no ``norm_output`` and feeds back the
+pre-norm state.  Logits are ``lm_head(norm(out))`` either way.
 """
 
 from __future__ import annotations
@@ -31,10 +57,12 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["Eagle3Config", "AUX_ID_CONVENTIONS", "default_feature_indices"]
+__all__ = ["Eagle3Config", "AUX_ID_CONVENTIONS", "HIDDEN_FEEDBACK", "default_feature_indices"]
 
 #: Accepted values of ``eagle_config.aux_hidden_state_id_convention``.
 AUX_ID_CONVENTIONS = ("layer_output", "hf_index")
+#: Accepted values of ``eagle_config.hidden_feedback`` (see the module docstring).
+HIDDEN_FEEDBACK = ("pre_norm", "post_norm")
 
 
 def default_feature_indices(num_target_layers: int) -> tuple[int, int, int]:
@@ -62,8 +90,9 @@ class Eagle3Config(PretrainedConfig):
             and ``aux_hidden_state_id_convention`` (see the module docstring).
         fc_norm: RMS-normalise each of the three target features before ``fc``
             (weights ``fc_norm.{0,1,2}.weight``; a vLLM-speculators variant).
-        norm_output: the hidden state passed to the next draft step is the final-norm
-            output instead of the pre-norm one.
+        norm_output: public flag; with no explicit ``eagle_config.hidden_feedback`` it means
+            "post-norm feedback" (see :attr:`hidden_feedback` and the module docstring).
+        fc_bias: ``fc`` has a bias (older vLLM-speculators exports).
         norm_before_residual: the residual stream starts from ``hidden_norm(h)`` instead of ``h``.
         expert_predictor: ``{"moe_layers": [...], "num_experts": E, "top_k": k}`` to add one
             linear expert-routing head per target MoE layer, or ``None``.
@@ -95,6 +124,7 @@ class Eagle3Config(PretrainedConfig):
     eagle_config: dict | None = None
     fc_norm: bool = False
     norm_output: bool = False
+    fc_bias: bool = False
     norm_before_residual: bool = False
     expert_predictor: dict | None = None
     tie_word_embeddings: bool = False
@@ -103,6 +133,9 @@ class Eagle3Config(PretrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        top_ids = kwargs.pop("eagle_aux_hidden_state_layer_ids", None)
+        if top_ids is not None:
+            self._adopt_top_level_layer_ids([int(i) for i in top_ids])
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -117,6 +150,68 @@ class Eagle3Config(PretrainedConfig):
             kwargs["rope_theta"] = 10000.0
         super().__post_init__(**kwargs)
         self._validate()
+
+    def _adopt_top_level_layer_ids(self, ids: list[int]) -> None:
+        """vLLM / speculators keep the ids at the top level, as HF indices."""
+        eagle = dict(self.eagle_config or {})
+        nested = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if nested is not None:
+            conv = eagle.get("aux_hidden_state_id_convention", "layer_output")
+            shift = 1 if conv == "layer_output" else 0
+            if [int(i) + shift for i in nested] != ids:
+                raise ValueError(
+                    f"config has top-level eagle_aux_hidden_state_layer_ids {ids} (HF indices) and "
+                    f"eagle_config ids {nested} ({conv!r}) naming other layers"
+                )
+            return
+        eagle["eagle_aux_hidden_state_layer_ids"] = ids
+        eagle["aux_hidden_state_id_convention"] = "hf_index"
+        self.eagle_config = eagle
+
+    @classmethod
+    def from_speculators(cls, raw: dict[str, Any]) -> "Eagle3Config":
+        """Build the config of a vLLM speculators EAGLE-3 folder (``speculators_model_type "eagle3"``).
+
+        The decoder layer's shape comes from the nested ``transformer_layer_config`` (its
+        ``vocab_size`` is the target's); ``draft_vocab_size``, ``norm_before_residual``,
+        ``target_hidden_size`` and the top-level layer ids (HF indices) from the top level.
+        """
+        if raw.get("speculators_model_type") != "eagle3":
+            raise ValueError(f"not a speculators EAGLE-3 config: speculators_model_type={raw.get('speculators_model_type')!r}")
+        layer = dict(raw.get("transformer_layer_config") or {})
+        if not layer:
+            raise ValueError("speculators config lacks transformer_layer_config")
+        if int(layer.get("num_hidden_layers", 1)) != 1:
+            raise ValueError(
+                f"speculators drafts with {layer['num_hidden_layers']} decoder layers are not supported (EAGLE-3 has one)"
+            )
+        if raw.get("norm_before_fc"):
+            raise NotImplementedError("the `norm_before_fc` EAGLE-3 variant is not supported")
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+                "rope_parameters", "attention_bias", "mlp_bias", "vocab_size", "pad_token_id", "bos_token_id",
+                "eos_token_id")
+        kwargs = {k: layer[k] for k in keys if layer.get(k) is not None}
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        eagle = {"use_aux_hidden_state": True, "hidden_feedback": "pre_norm"}
+        cfg = cls(
+            **kwargs,
+            num_hidden_layers=1,
+            draft_vocab_size=raw.get("draft_vocab_size"),
+            target_hidden_size=raw.get("target_hidden_size"),
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            eagle_config=eagle,
+            eagle_aux_hidden_state_layer_ids=raw.get("eagle_aux_hidden_state_layer_ids"),
+        )
+        return cfg
+
+    @property
+    def hidden_feedback(self) -> str:
+        """``"post_norm"`` or ``"pre_norm"``: the hidden state the next draft step consumes."""
+        explicit = (self.eagle_config or {}).get("hidden_feedback")
+        if explicit is not None:
+            return explicit
+        return "post_norm" if self.norm_output else "pre_norm"
 
     # -- validation -------------------------------------------------------------------
     def _validate(self) -> None:
@@ -137,6 +232,8 @@ class Eagle3Config(PretrainedConfig):
             raise ValueError(
                 f"eagle_config.aux_hidden_state_id_convention must be one of {AUX_ID_CONVENTIONS}, got {conv!r}"
             )
+        if self.hidden_feedback not in HIDDEN_FEEDBACK:
+            raise ValueError(f"eagle_config.hidden_feedback must be one of {HIDDEN_FEEDBACK}, got {self.hidden_feedback!r}")
         ids = self.aux_hidden_state_layer_ids
         if ids is not None and len(ids) != 3:
             raise ValueError(f"EAGLE-3 uses three target hidden states, got layer ids {ids}")

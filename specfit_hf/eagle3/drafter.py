@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..features import decoder_layers
-from ..generation.drafter import Drafter
+from ..generation.drafter import Drafter, frontier_nodes
 from ..generation.tree_mask import grow_ancestors
 from ..tree import DraftTree, VerifyResult
 from .kv import DraftKVCache, causal_mask
@@ -130,22 +130,21 @@ class Eagle3TreeDrafter(Drafter):
         st.pending_features = target_features[0, -1:]
 
     @torch.no_grad()
-    def draft_level(self, tree: DraftTree) -> None:
+    def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         if self._state.pending_features is None and self._tree is None:
             raise RuntimeError("call start() before draft_level()")
+        k = self.top_k if children is None else max(1, min(int(children), self.top_k))
         if tree.num_levels == 0:
             self._begin_tree(tree)
             vals, ids = self._root_top
-            parents = torch.full((ids.numel(),), -1, dtype=torch.long)
-            self._add_level(tree, ids, vals, parents)
+            self._add_level(tree, ids[:k], vals[:k], torch.full((k,), -1, dtype=torch.long))
             return
         if tree is not self._tree:
             raise RuntimeError("draft_level() got a tree this drafter did not start")
-        newest = tree.level(tree.num_levels)
-        frontier = newest[tree.path_probs[newest].topk(min(self.top_k, newest.numel())).indices]
-        vals = self._node_top_vals[frontier].reshape(-1)
-        ids = self._node_top_ids[frontier].reshape(-1)
-        parents = frontier.repeat_interleave(self.top_k)
+        frontier = frontier_nodes(tree, expand, self.top_k)
+        vals = self._node_top_vals[frontier][:, :k].reshape(-1)
+        ids = self._node_top_ids[frontier][:, :k].reshape(-1)
+        parents = frontier.repeat_interleave(k)
         self._add_level(tree, ids, vals, parents)
 
     def _begin_tree(self, tree: DraftTree) -> None:

@@ -18,8 +18,10 @@ token ``d + d2t[d]``.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -154,6 +156,45 @@ class Eagle3Output(ModelOutput):
     hidden_states: torch.Tensor | None = None
 
 
+def _checkpoint_keys(folder: Path) -> set[str]:
+    """Tensor names of a local safetensors checkpoint (headers only), or an empty set."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    keys: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            keys |= set(handle.keys())
+    return keys
+
+
+def _layout_kwargs(path: str | os.PathLike, config: Eagle3Config | None) -> dict[str, Any]:
+    """``from_pretrained`` keywords that make a public layout load: the config and key renames.
+
+    Local folders only (hub ids load as the SafeAILab / SpecForge layout).
+    """
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return {}
+    raw = json.loads(config_file.read_text())
+    out: dict[str, Any] = {}
+    if config is None:
+        if "speculators_model_type" in raw:
+            config = Eagle3Config.from_speculators(raw)
+        else:
+            config = Eagle3Config.from_pretrained(folder)
+    keys = _checkpoint_keys(folder)
+    if any(k.startswith("layers.0.") for k in keys):
+        if any(k.startswith("layers.") and not k.startswith("layers.0.") for k in keys):
+            raise ValueError(f"draft checkpoint {folder} has more than one decoder layer; EAGLE-3 has one")
+        out["key_mapping"] = {r"^layers\.0\.": "midlayer."}
+    if "fc.bias" in keys:
+        config.fc_bias = True
+    out["config"] = config
+    return out
+
+
 class Eagle3DraftModel(PreTrainedModel):
     """EAGLE-3 draft head, loadable from public checkpoints (``LlamaForCausalLMEagle3``).
 
@@ -176,7 +217,7 @@ class Eagle3DraftModel(PreTrainedModel):
             self.fc_norm = nn.ModuleList([LlamaRMSNorm(ht, eps=config.rms_norm_eps) for _ in range(3)])
         else:
             self.fc_norm = None
-        self.fc = nn.Linear(3 * ht, h, bias=False)
+        self.fc = nn.Linear(3 * ht, h, bias=bool(config.fc_bias))
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -221,9 +262,13 @@ class Eagle3DraftModel(PreTrainedModel):
         if kwargs.get("weights_only", True) is not True:
             raise ValueError("Eagle3DraftModel only loads .bin checkpoints with weights_only=True")
         kwargs["weights_only"] = True
+        kwargs.update(_layout_kwargs(pretrained_model_name_or_path, kwargs.get("config")))
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         loaded = model[0] if isinstance(model, tuple) else model
         missing = loaded._missing_draft_keys
+        if missing & {"d2t", "t2d"} and not missing >= {"d2t", "t2d"}:
+            loaded._complete_vocab_mapping(missing)  # ModelOpt exports ship d2t only
+            missing = missing - {"d2t", "t2d"}
         if loaded._missing_required_keys:
             raise ValueError(
                 f"EAGLE-3 checkpoint {pretrained_model_name_or_path} lacks weights: {sorted(loaded._missing_required_keys)}"
@@ -240,6 +285,24 @@ class Eagle3DraftModel(PreTrainedModel):
             )
         return model
 
+    @torch.no_grad()
+    def _complete_vocab_mapping(self, missing: set[str]) -> None:
+        """Derive the missing one of ``t2d`` / ``d2t`` from the other (they encode the same map)."""
+        vd = self.config.draft_vocab_size
+        if "t2d" in missing:
+            ids = torch.arange(vd, device=self.d2t.device) + self.d2t
+            if ids.min() < 0 or ids.max() >= self.config.vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+                raise ValueError("the checkpoint's d2t does not map draft ids to increasing target ids")
+            t2d = torch.zeros_like(self.t2d)
+            t2d[ids] = True
+            self.t2d.copy_(t2d)
+        else:
+            ids = torch.nonzero(self.t2d).reshape(-1)
+            if ids.numel() != vd:
+                raise ValueError(f"the checkpoint's t2d marks {ids.numel()} tokens, draft_vocab_size is {vd}")
+            self.d2t.copy_(ids - torch.arange(vd, device=ids.device))
+        self._missing_draft_keys -= {"d2t", "t2d"}
+
     def _adjust_missing_and_unexpected_keys(self, loading_info: Any) -> None:
         # Hook of transformers' loader (5.23): note which optional tensors the
         # checkpoint lacks, and keep them out of the "missing weights" report.
@@ -254,6 +317,8 @@ class Eagle3DraftModel(PreTrainedModel):
         """Save in the public layout; borrowed target embeddings are left out."""
         if self.embeddings_from_target and kwargs.get("state_dict") is None:
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        # State the feedback choice explicitly: other trainers read norm_output differently.
+        self.config.eagle_config = {**(self.config.eagle_config or {}), "hidden_feedback": self.config.hidden_feedback}
         super().save_pretrained(save_directory, *args, **kwargs)
         # transformers records the Python class name; engines dispatch on the public one.
         self.config.architectures = ["LlamaForCausalLMEagle3"]
@@ -344,7 +409,7 @@ class Eagle3DraftModel(PreTrainedModel):
 
     def next_hidden(self, layer_output: torch.Tensor) -> torch.Tensor:
         """The hidden state the next draft step consumes."""
-        return self.norm(layer_output) if self.config.norm_output else layer_output
+        return self.norm(layer_output) if self.config.hidden_feedback == "post_norm" else layer_output
 
     def forward(
         self,

@@ -5,9 +5,17 @@ prefix, the root and the accepted nodes belong to the sequence.  :class:`SpecFit
 gathers those positions along the sequence axis (no recomputation).  The draft model's
 cache uses the same class.
 
-Only plain full-attention layers (``DynamicLayer``) can be gathered: a sliding-window
-layer has already dropped old entries and a linear-attention layer keeps a recurrent
-state that has absorbed the rejected branches, so both raise a clear error.
+Only plain full-attention layers (``DynamicLayer``) can be gathered.  Sliding-window
+layers (gpt-oss, Mistral) are therefore stored as full ``DynamicLayer`` caches: a
+``DynamicSlidingWindowLayer`` drops positions as a block is appended, before the tree's
+rejected branches are known, so :class:`SpecFitCache` replaces each one it is given by a
+``DynamicLayer`` that keeps every committed position, and the window is applied by the
+attention mask instead (:func:`~specfit_hf.generation.tree_mask.model_tree_masks`, one
+mask per layer type; transformers' own masks do the same for the prefill).  The cost is
+memory: a sliding layer holds the whole sequence like a full-attention layer.  A
+config-less ``SpecFitCache()`` creates plain layers lazily, which is the same thing.  A
+linear-attention layer keeps a recurrent state that has absorbed the rejected branches
+and raises a clear error.
 """
 
 from __future__ import annotations
@@ -23,6 +31,25 @@ __all__ = ["SpecFitCache", "UnsupportedCacheLayerError"]
 
 class UnsupportedCacheLayerError(TypeError):
     """A cache layer kind that cannot keep an arbitrary subset of its positions."""
+
+
+def _as_full_layer(layer: object, index: int) -> object:
+    """A ``DynamicSlidingWindowLayer`` that has dropped nothing, as a ``DynamicLayer`` holding
+    the same tensors; any other layer unchanged.  Raises if the window already dropped entries."""
+    if type(layer) is not DynamicSlidingWindowLayer:
+        return layer
+    stored = layer.keys.shape[-2] if layer.is_initialized and layer.keys is not None else 0
+    if stored != layer.get_seq_length():
+        raise UnsupportedCacheLayerError(
+            f"cache layer {index} is a sliding-window layer that already dropped "
+            f"{layer.get_seq_length() - stored} old positions; tree speculative decoding needs every "
+            "committed position (start from an empty cache)"
+        )
+    full = DynamicLayer()
+    if layer.is_initialized:
+        full.lazy_initialization(layer.keys, layer.values)
+        full.keys, full.values = layer.keys, layer.values
+    return full
 
 
 def _check_gatherable(layer: object, index: int) -> bool:
@@ -48,12 +75,18 @@ class SpecFitCache(DynamicCache):
     """A ``DynamicCache`` that can keep an arbitrary, ordered subset of its positions.
 
     Construct it like a ``DynamicCache`` (``SpecFitCache(config=model.config)``); the
-    layer kinds the config implies are checked up front.
+    layer kinds the config implies are checked up front.  Sliding-window layers are kept
+    as full layers (see the module docstring): every layer holds the whole sequence, and
+    the sliding window is the attention mask's job.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._unslide()
         self.check_layers()
+
+    def _unslide(self) -> None:
+        self.layers = [_as_full_layer(layer, i) for i, layer in enumerate(self.layers)]
 
     def check_layers(self) -> None:
         """Raise :class:`UnsupportedCacheLayerError` if any layer cannot be gathered."""
@@ -65,6 +98,7 @@ class SpecFitCache(DynamicCache):
         """Adopt the layers of an existing ``DynamicCache`` (tensors are shared, not copied)."""
         new = cls.__new__(cls)
         new.__dict__.update(cache.__dict__)
+        new._unslide()
         new.check_layers()
         return new
 

@@ -170,7 +170,10 @@ class TreeCandidateGenerator(CandidateGenerator):
         while not selection.stop and tree.num_levels < self.max_depth:
             size_before = len(tree)
             t = clock()
-            self.drafter.draft_level(tree)
+            if selection.expand is None and selection.children is None:
+                self.drafter.draft_level(tree)  # the drafter's own frontier rule
+            else:
+                self.drafter.draft_level(tree, expand=selection.expand, children=selection.children)
             draft_s += clock() - t
             t = clock()
             selection = self.policy.select(tree, self.ctx)

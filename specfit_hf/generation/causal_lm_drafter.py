@@ -28,8 +28,8 @@ import torch
 
 from ..tree import DraftTree, VerifyResult
 from .cache import SpecFitCache
-from .drafter import Drafter
-from .tree_mask import grow_ancestors, visibility_to_mask
+from .drafter import Drafter, frontier_nodes
+from .tree_mask import grow_ancestors, model_tree_masks, visibility_to_mask
 
 __all__ = ["CausalLMTreeDrafter"]
 
@@ -51,6 +51,13 @@ class CausalLMTreeDrafter(Drafter):
         self.top_k = int(config.tree_top_k)
         target_vocab = target.config.get_text_config().vocab_size
         draft_vocab = draft_model.config.get_text_config().vocab_size
+        if draft_vocab < target_vocab:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab} tokens) is smaller than the target's "
+                f"({target_vocab}): target token ids would index past the draft's embedding table. "
+                "A generic draft must share the target's tokenizer (a larger, padded vocabulary is fine); "
+                "use an EAGLE-3 draft with a d2t table for a reduced draft vocabulary"
+            )
         self.vocab_limit = int(min(target_vocab, draft_vocab))
         self.device = draft_model.device
         self.mask_dtype = draft_model.dtype if draft_model.dtype.is_floating_point else torch.float32
@@ -63,6 +70,7 @@ class CausalLMTreeDrafter(Drafter):
     def _reset_region(self) -> None:
         # Per-cycle bookkeeping of the draft cache's tree region.
         self._region_anc = torch.empty(0, 0, dtype=torch.bool)  # [R, R] ancestor-or-self within the region
+        self._region_pos = torch.empty(0, dtype=torch.long)  # [R] sequence position of each region entry
         self._node_region = torch.empty(0, dtype=torch.long)  # tree node -> region index (-1: not run)
         self._last_level = torch.empty(0, dtype=torch.long)
 
@@ -84,7 +92,8 @@ class CausalLMTreeDrafter(Drafter):
     def _chain_mask(self, n: int, prefix_len: int) -> torch.Tensor:
         """Causal mask of a plain chain of ``n`` tokens (a tree without branches)."""
         visible = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        return visibility_to_mask(visible, prefix_len, dtype=self.mask_dtype)
+        mask = visibility_to_mask(visible, prefix_len, dtype=self.mask_dtype)
+        return model_tree_masks(self.model.config, mask, prefix_len + torch.arange(n))
 
     def _top_children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[m, V]`` logits -> (``[m, k]`` tokens, ``[m, k]`` probabilities)."""
@@ -107,15 +116,16 @@ class CausalLMTreeDrafter(Drafter):
         self._reset_region()
 
     @torch.no_grad()
-    def draft_level(self, tree: DraftTree) -> None:
+    def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         if self.cache is None:
             raise RuntimeError("CausalLMTreeDrafter.start() must run before draft_level()")
+        k = self.top_k if children is None else max(1, min(int(children), self.top_k))
         if tree.num_levels == 0:
-            self._draft_root_children(tree)
+            self._draft_root_children(tree, k)
         else:
-            self._draft_next_level(tree)
+            self._draft_next_level(tree, expand, k)
 
-    def _draft_root_children(self, tree: DraftTree) -> None:
+    def _draft_root_children(self, tree: DraftTree, k: int) -> None:
         # Feed committed-but-unseen tokens and the root as one chain; they become
         # committed draft positions, the root opens the tree region.
         chain_tokens = torch.tensor(self._pending + [tree.root_token], dtype=torch.long)
@@ -125,24 +135,26 @@ class CausalLMTreeDrafter(Drafter):
         self._committed_len += m - 1
         self._pending = []
         tokens, probs = self._top_children(logits)
-        k = tokens.shape[1]
+        tokens, probs = tokens[:, :k], probs[:, :k]
         root_hidden = hidden[-1]
         tree.root_hidden = root_hidden
         new = tree.add_level(
             tokens[0], torch.full((k,), -1, dtype=torch.long), probs[0], hidden=root_hidden.unsqueeze(0).repeat(k, 1)
         )
         self._region_anc = torch.ones(1, 1, dtype=torch.bool)
+        self._region_pos = torch.tensor([self._committed_len])
         self._node_region = torch.full((len(tree),), -1, dtype=torch.long)
         self._last_level = new
 
-    def _draft_next_level(self, tree: DraftTree) -> None:
+    def _draft_next_level(self, tree: DraftTree, expand: torch.Tensor | None, k: int) -> None:
         last = self._last_level
         if last.numel() == 0:
             return
-        # Expand the best tree_top_k nodes of the newest level (EAGLE-2 frontier).
-        k_front = min(self.top_k, last.numel())
-        frontier = last[torch.topk(tree.path_probs[last], k_front).indices]
-        frontier = frontier.sort().values
+        # Expand the best tree_top_k nodes of the newest level (EAGLE-2 frontier), or those asked for.
+        frontier = frontier_nodes(tree, expand, self.top_k).sort().values
+        k_front = frontier.numel()
+        if k_front == 0:
+            return
         tree_parents = tree.parents[frontier]
         # Region index of each frontier node's parent (the root is region index 0).
         parent_region = torch.where(tree_parents >= 0, self._node_region[tree_parents.clamp(min=0)], 0)
@@ -153,16 +165,19 @@ class CausalLMTreeDrafter(Drafter):
         new_rows, region_anc = grow_ancestors(self._region_anc, parent_region)
         mask = visibility_to_mask(new_rows.to(self.device), self._committed_len, dtype=self.mask_dtype)
         positions = self._committed_len + tree.depths[frontier]
+        key_positions = torch.cat([torch.arange(self._committed_len), self._region_pos, positions])
+        mask = model_tree_masks(self.model.config, mask, positions, key_positions)
         logits, hidden = self._forward(tree.tokens[frontier], positions, mask, k_front)
 
         self._region_anc = region_anc
         self._node_region[frontier] = region_len + torch.arange(k_front)
+        self._region_pos = torch.cat([self._region_pos, positions])
         if tree.hidden is not None:
             # These nodes have now been run: store their own state (see module docstring).
             tree.hidden[frontier] = hidden.to(tree.hidden)
 
-        tokens, probs = self._top_children(logits)  # [k_front, k]
-        k = tokens.shape[1]
+        tokens, probs = self._top_children(logits)  # [k_front, top_k]
+        tokens, probs = tokens[:, :k], probs[:, :k]
         new = tree.add_level(
             tokens.reshape(-1),
             frontier.repeat_interleave(k),

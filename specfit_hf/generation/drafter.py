@@ -38,7 +38,7 @@ import torch
 
 from ..tree import DraftTree, VerifyResult
 
-__all__ = ["Drafter"]
+__all__ = ["Drafter", "frontier_nodes"]
 
 
 class Drafter(ABC):
@@ -52,11 +52,14 @@ class Drafter(ABC):
         """Prefill the draft on the prompt (``[1, T]``); the root comes with the first tree."""
 
     @abstractmethod
-    def draft_level(self, tree: DraftTree) -> None:
+    def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         """Add one level of children to ``tree`` (the first call adds the root's children).
 
-        Must fill tokens (target vocabulary ids), parents, draft_probs and, when the
-        drafter has one, each node's hidden state (``tree.hidden``, ``tree.root_hidden``).
+        ``expand``: the nodes of the newest level to expand (default: the drafter's own
+        frontier rule); ``children``: children per expanded node (default: the drafter's
+        branching factor; never more).  Must fill tokens (target vocabulary ids), parents,
+        draft_probs and, when the drafter has one, each node's hidden state
+        (``tree.hidden``, ``tree.root_hidden``).
         """
 
     @abstractmethod
@@ -66,3 +69,14 @@ class Drafter(ABC):
         ``target_features`` covers the root and the accepted nodes, in path order.
         The next cycle's root is ``result.bonus_token``.
         """
+
+
+def frontier_nodes(tree: DraftTree, expand: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The newest level's nodes to expand: ``expand`` (checked), else the ``width`` most likely."""
+    newest = tree.level(tree.num_levels)
+    if expand is None:
+        return newest[tree.path_probs[newest].topk(min(width, newest.numel())).indices]
+    expand = torch.as_tensor(expand, dtype=torch.long).reshape(-1)
+    if not bool(torch.isin(expand, newest).all()):
+        raise ValueError(f"can only expand nodes of the newest level {tree.num_levels}; got {expand.tolist()}")
+    return expand

@@ -13,8 +13,10 @@ attention a boolean 4D mask would silently give wrong logits.
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
-__all__ = ["ancestor_matrix", "grow_ancestors", "tree_attention_mask", "visibility_to_mask", "block_depths"]
+__all__ = ["ancestor_matrix", "grow_ancestors", "tree_attention_mask", "visibility_to_mask", "block_depths",
+           "model_tree_masks"]
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
@@ -106,3 +108,51 @@ def visibility_to_mask(
     if prefix_hidden is not None and prefix_hidden.numel():
         mask[0, 0, :, prefix_hidden.to(visible.device)] = torch.finfo(dtype).min
     return mask
+
+
+def _attention_layer_kinds(config) -> tuple[bool, bool, int | None]:
+    """(has full-attention layers, has sliding-window layers, the window) from a model config."""
+    layer_types, kwargs = get_layer_types_and_kwargs(config)
+    windows = {kw["sliding_window"] for t, kw in zip(layer_types, kwargs) if t == "sliding_attention"}
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention", "dummy"})
+    if other:
+        raise ValueError(f"tree attention masks support full and sliding-window attention layers, not {other}")
+    if len(windows) > 1:
+        raise ValueError(f"sliding-window layers with different windows {sorted(windows)} are not supported")
+    return "full_attention" in layer_types, bool(windows), (windows.pop() if windows else None)
+
+
+def model_tree_masks(
+    config,
+    mask: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor | None = None,
+):
+    """The attention-mask argument for a tree forward of a model with this ``config``.
+
+    ``mask`` is the full-attention tree mask (``[1, 1, q, K]``, e.g. from
+    :func:`tree_attention_mask`); ``q_positions`` are the sequence positions the ``q`` block
+    tokens take once accepted (``prefix_len + depth``), ``k_positions`` those of the ``K``
+    keys (default: the prefix ``0 .. K - q - 1`` followed by the block itself).  A
+    sliding-window layer of window ``w`` (transformers' rule: query ``i`` sees key ``j`` iff
+    ``i - j < w``) must also hide every prefix or ancestor key ``w`` or more positions back.
+
+    Returns ``mask`` unchanged for a model without sliding layers, the windowed mask when
+    every layer slides (Mistral), and ``{"full_attention": mask, "sliding_attention":
+    windowed}`` for mixed models (gpt-oss; transformers uses such a dict as-is, one mask
+    per layer type).  Raises ``ValueError`` for other attention kinds (chunked, ...).
+    """
+    has_full, has_sliding, window = _attention_layer_kinds(config)
+    if not has_sliding:
+        return mask
+    q_pos = q_positions.reshape(-1).to(device=mask.device, dtype=torch.long)
+    if k_positions is None:
+        k_positions = torch.cat([torch.arange(mask.shape[-1] - q_pos.numel(), device=mask.device), q_pos])
+    k_pos = k_positions.reshape(-1).to(device=mask.device, dtype=torch.long)
+    if (q_pos.numel(), k_pos.numel()) != tuple(mask.shape[-2:]):
+        raise ValueError(f"mask {tuple(mask.shape)} does not match {q_pos.numel()} queries and {k_pos.numel()} keys")
+    too_far = (q_pos[:, None] - k_pos[None, :]) >= window
+    windowed = mask.masked_fill(too_far[None, None], torch.finfo(mask.dtype).min)
+    if not has_full:
+        return windowed
+    return {"full_attention": mask, "sliding_attention": windowed}

@@ -28,6 +28,7 @@ from transformers import LogitsProcessorList
 
 from ..tree import VerifyResult
 from .candidates import TreeCandidates
+from .tree_mask import model_tree_masks
 
 __all__ = ["verify_forward", "accept", "AcceptOutput"]
 
@@ -37,7 +38,8 @@ def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
     """One target forward over the block; returns ``[1 + n, V]`` float32 logits.
 
     The block's keys/values are appended to ``cache`` (the caller keeps the accepted
-    path afterwards with ``cache.keep_prefix_and``).
+    path afterwards with ``cache.keep_prefix_and``).  Sliding-window layers get the window
+    applied to the tree mask (:func:`~specfit_hf.generation.tree_mask.model_tree_masks`).
     """
     if cache.get_seq_length() != candidates.prefix_len:
         raise RuntimeError(
@@ -45,7 +47,9 @@ def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
         )
     out = target(
         input_ids=candidates.input_ids,
-        attention_mask=candidates.attention_mask,
+        attention_mask=model_tree_masks(
+            target.config, candidates.attention_mask, candidates.prefix_len + candidates.depths
+        ),
         position_ids=candidates.position_ids,
         past_key_values=cache,
         use_cache=True,

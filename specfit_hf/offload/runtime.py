@@ -17,6 +17,27 @@ CUDA).  An accelerate ``ModelHook`` on each experts module intercepts the call
    processed in *waves* of at most ``num_slots`` (resident experts first), each wave on the
    token rows that use it; ``post_forward`` adds the waves' partial sums together.
 
+Summation order (exactness in bf16 / fp16).  The model's own experts forward loops over the
+experts in ascending index order and adds each one's contribution to a token in that
+order; floating-point addition is not associative, so summing in *slot* order would change
+low-order bits (visible in bf16).  The runtime therefore keeps the model's order: when the
+slots holding this forward's experts are not ascending in expert id, the experts are
+handed to the model's forward as a gathered ``[n, ...]`` view in ascending expert-id order
+(one device-side gather of the ``n`` experts, only for such forwards).  What holds:
+
+* a forward whose distinct experts fit in the slots (single wave), computed by the model's
+  own experts forward: bit-identical to the un-offloaded model, in every dtype;
+* a forward that needs waves: each wave sums its experts in ascending id order, and the
+  waves' partial sums are added afterwards, so a token whose experts all fall in one wave
+  is bit-identical and a token whose experts span waves is the same sum re-associated
+  (equal up to rounding: ~1e-7 relative in fp32, ~1e-2 in bf16);
+* the fused kernel (``use_fused_kernel``) has its own accumulation: equal up to rounding.
+
+Host memory (CUDA): each expert tensor's existing host pages are page-locked in place with
+``cudaHostRegister`` (``specfit_hf.offload.pinning``): no copy and no power-of-two rounding
+(``tensor.pin_memory()`` would copy and round, ~1.27 bytes pinned per expert byte on
+Qwen3-30B-A3B); ``OffloadRuntime.pinned_bytes`` reports what is locked.
+
 Transfers: on CUDA, copies from pinned host memory on a dedicated copy stream, ordered after
 the compute already queued (an evicted slot may still be read) and before the compute that
 needs them, via an event.  Evicted experts are never copied back (host has the master copy).
@@ -41,10 +62,11 @@ from specfit_hf.features import decoder_layers
 from .adapters import MoEAdapter, adapter_for
 from .cache import POLICIES, ExpertCache
 from .link import EmulatedLink
+from .pinning import HostPinner
 from .stats import OffloadStats, TransferStats
 from .view import ExpertCacheView
 
-__all__ = ["OffloadRuntime", "offload_experts", "get_runtime"]
+__all__ = ["OffloadRuntime", "offload_experts", "get_runtime", "quantized_expert_format"]
 
 _RUNTIME_ATTR = "_specfit_offload_runtime"
 
@@ -84,8 +106,12 @@ class _MoELayer:
         self.fused_experts: Optional[Callable] = None
         self.fused_kwargs: dict = {}
         self.last_routing: Optional[torch.Tensor] = None
+        # Slots of this call's experts in ascending expert id when they are not already in that
+        # order (the ids passed to the compute are then ranks into this gather), else None.
+        self.gather: Optional[torch.Tensor] = None
         # Set by a multi-wave pre_forward for post_forward: (partial output [T, H], rows of the last wave).
         self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.state_dict_hook = None  # handle of the hook that puts the full experts in state_dict()
 
 
 def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Tensor,
@@ -94,10 +120,44 @@ def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Ten
 
     The single place where the fused kernel is wired in; everything else is residency.
     """
+    gather, layer.gather = layer.gather, None
     if layer.fused_experts is not None:
+        if gather is not None:
+            slot_ids = gather[slot_ids]  # ranks -> slots: the kernel's order is its own anyway
         return layer.fused_experts(hidden, layer.slots["gate_up_proj"], layer.slots["down_proj"], slot_ids, weights,
                                    **layer.fused_kwargs)
-    return layer.torch_forward(hidden, slot_ids, weights)
+    if gather is None:
+        return layer.torch_forward(hidden, slot_ids, weights)
+    # The model's forward reads experts.<param>: point them at the experts in id order.
+    experts = layer.experts
+    params = {name: experts._parameters[name] for name in layer.param_names}
+    num_slots = experts.num_experts
+    try:
+        for name, param in params.items():
+            param.data = layer.slots[name].index_select(0, gather)
+        experts.num_experts = int(gather.numel())  # grouped / batched implementations count experts
+        return layer.torch_forward(hidden, slot_ids, weights)
+    finally:
+        experts.num_experts = num_slots
+        for name, param in params.items():
+            param.data = layer.slots[name]
+
+
+def _full_experts_state(layer: _MoELayer, module: nn.Module, state_dict: dict, prefix: str,
+                        local_metadata: dict) -> None:
+    """``state_dict`` post-hook: the experts' entries are the full host weights, not the slots.
+
+    So ``model.state_dict()`` and ``save_pretrained`` on an offloaded model write a checkpoint
+    that reloads as the original model (the slot cache is runtime state, never saved).
+    """
+    for name in layer.param_names:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = layer.host[name]
+
+
+def _in_id_order(slots: np.ndarray) -> bool:
+    """True when slots listed in ascending expert id are themselves ascending."""
+    return bool(np.all(slots[1:] > slots[:-1]))
 
 
 def _split_experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,6 +244,17 @@ class OffloadRuntime:
         self._pending_events: list[tuple[TransferStats, torch.cuda.Event, torch.cuda.Event]] = []
         self._attached = True
         self._view: ExpertCacheView | None = None
+        self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for the experts (whole pages; 0 on CPU)."""
+        return 0 if self._pinner is None else self._pinner.pinned_bytes
+
+    @property
+    def expert_host_bytes(self) -> int:
+        """Bytes of all routed experts of all MoE layers (the host copy; one copy only)."""
+        return self.expert_bytes * self.num_experts * len(self._layers)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -287,7 +358,7 @@ class OffloadRuntime:
         if not self._attached:
             raise RuntimeError("this OffloadRuntime is already detached")
         self._collect_transfer_times()
-        _restore(self.model, list(self._layers.values()), self._original_device, self.device)
+        _restore(self.model, list(self._layers.values()), self._original_device, self.device, self._pinner)
         self._attached = False
 
     def __repr__(self) -> str:
@@ -310,6 +381,7 @@ class OffloadRuntime:
         if not self.persistent and layer is self._first_layer:
             self.flush()
         layer.last_routing = top_k_index
+        layer.gather = None
         self._tick += 1
         tick = self._tick
         cache = layer.cache
@@ -331,6 +403,11 @@ class OffloadRuntime:
             self._count(layer, num_needed - len(load_experts), len(load_experts))
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
+            if not _in_id_order(slots):
+                # Ranks in ascending expert id, and the slots to gather in that order.
+                layer.gather = torch.from_numpy(slots).to(hidden.device, non_blocking=True)
+                ranks = torch.from_numpy(np.searchsorted(needed, ids)) if on_cpu else inverse
+                return hidden, ranks, top_k_weights
             if on_cpu:
                 return hidden, torch.from_numpy(cache.slot_of[ids]), top_k_weights
             slot_map = torch.from_numpy(slots).to(inverse.device, non_blocking=True)
@@ -348,10 +425,14 @@ class OffloadRuntime:
         partial = torch.zeros_like(hidden)
         waves = [order[i:i + cache.num_slots] for i in range(0, num_needed, cache.num_slots)]
         for wave_no, positions in enumerate(waves):
+            positions = np.sort(positions)  # ascending expert id inside the wave
             slots, load_experts, load_slots = cache.assign(needed[positions], tick)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
-            # Per distinct expert (position in needed): its slot if in this wave, else -1.
+            if not _in_id_order(slots):
+                layer.gather = torch.from_numpy(slots).to(hidden.device, non_blocking=True)
+                slots = np.arange(len(slots))  # ranks into the gather
+            # Per distinct expert (position in needed): its slot (or rank) if in this wave, else -1.
             wave_slot = np.full(num_needed, -1, dtype=np.int64)
             wave_slot[positions] = slots
             pair_slot = torch.from_numpy(wave_slot).to(inverse.device)[inverse]  # [T, k]
@@ -435,6 +516,35 @@ def _model_device(model: nn.Module) -> torch.device:
     return device
 
 
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                        "float8_e8m0fnu") if hasattr(torch, n)}
+
+
+def quantized_expert_format(experts: nn.Module, config=None) -> Optional[str]:
+    """The quantized format of an experts module, or None for plain floating-point experts.
+
+    The runtime remaps expert ids to slot ids and moves only the per-expert parameters it
+    knows; the scale tensors of quantized formats are indexed by expert id as well, so they
+    would be read at the wrong index.  Recognised: native FP8 (``FP8Experts``, DeepSeek-V3
+    checkpoints: ``*_scale_inv`` block scales per expert), MXFP4 (``Mxfp4GptOssExperts``,
+    gpt-oss: packed ``uint8`` blocks with ``*_scales``), and any ``config.quantization_config``.
+    """
+    names = {n for n, _ in experts.named_parameters(recurse=False)} | {n for n, _ in experts.named_buffers(recurse=False)}
+    dtypes = {t.dtype for t in list(experts.parameters(recurse=False)) + list(experts.buffers(recurse=False))}
+    kind = type(experts).__name__.lower()
+    if "fp8" in kind or any(n.endswith("_scale_inv") for n in names) or dtypes & _FLOAT8:
+        return "native FP8 (block-scaled *_scale_inv experts, e.g. DeepSeek-V3)"
+    if "mxfp4" in kind or any(n.endswith(("_blocks", "_scales")) for n in names) or torch.uint8 in dtypes:
+        return "MXFP4 (packed uint8 blocks + *_scales experts, e.g. gpt-oss)"
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if getattr(quant, "dequantize", False) or (isinstance(quant, dict) and quant.get("dequantize")):
+            return None
+        return f"quantized ({getattr(method, 'value', method)!s})"
+    return None
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
@@ -448,10 +558,13 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 
 def _restore(model: nn.Module, layers: list[_MoELayer], original_device: torch.device,
-             device: torch.device) -> None:
+             device: torch.device, pinner: Optional[HostPinner] = None) -> None:
     """Put back what ``offload_experts`` changed (works on a partly applied offload too)."""
     for layer in layers:
         experts = layer.experts
+        if layer.state_dict_hook is not None:
+            layer.state_dict_hook.remove()
+            layer.state_dict_hook = None
         if getattr(experts, "_hf_hook", None) is not None and isinstance(experts._hf_hook, _OffloadHook):
             remove_hook_from_module(experts)
             if not layer.had_instance_forward:
@@ -466,6 +579,8 @@ def _restore(model: nn.Module, layers: list[_MoELayer], original_device: torch.d
         delattr(model, _RUNTIME_ATTR)
     if device != original_device:
         model.to(original_device)
+    if pinner is not None:
+        pinner.unregister_all()  # after the data moved back: the pages are plain host memory again
 
 
 def offload_experts(
@@ -495,7 +610,8 @@ def offload_experts(
             own experts forward; True: require it (any device).
 
     Returns the ``OffloadRuntime`` (also ``get_runtime(model)``); ``runtime.detach()`` undoes
-    everything.  Raises ``ValueError`` for unsupported models or bad arguments, before
+    everything.  ``model.state_dict()`` / ``save_pretrained`` keep giving the full expert
+    weights (from host memory), never the slot cache.  Raises ``ValueError`` for unsupported models or bad arguments, before
     anything is changed.
     """
     # ---- validate everything first: nothing is touched until all checks pass
@@ -522,6 +638,14 @@ def offload_experts(
     for idx, _, experts, router in found:
         if getattr(experts, "_hf_hook", None) is not None:
             raise ValueError(f"layer {idx} experts already carry an accelerate hook (device_map dispatch?)")
+        fmt = quantized_expert_format(experts, model.config)
+        if fmt is not None:
+            raise ValueError(
+                f"offload_experts does not support {fmt} experts (layer {idx}, {type(experts).__name__}): their "
+                "scales are indexed by expert id and would not follow the slots. Load the model dequantized "
+                "(e.g. quantization_config=FineGrainedFP8Config(dequantize=True) / Mxfp4Config(dequantize=True)) "
+                "or in bf16"
+            )
         for name in adapter.expert_params:
             param = getattr(experts, name, None)
             if not isinstance(param, nn.Parameter) or param.shape[0] != num_experts:
@@ -561,6 +685,7 @@ def offload_experts(
             fused = None
 
     # ---- apply; on any failure put everything back
+    pinner = HostPinner() if target.type == "cuda" else None
     layers = [
         _MoELayer(idx, block, experts, router, adapter.expert_params, ExpertCache(num_experts, slots, policy))
         for idx, block, experts, router in found
@@ -574,8 +699,11 @@ def offload_experts(
                 layer.original_params[name] = param
                 host = param.data
                 if target.type == "cuda":
-                    # Master copy in pinned host memory, so copies are async DMA on the copy engine.
-                    host = host.to("cpu").pin_memory()
+                    # Master copy page-locked in place (cudaHostRegister; one exact-size copy only
+                    # when the model is on the GPU or the range cannot be registered), so copies are
+                    # async DMA on the copy engine.  Never tensor.pin_memory(): it copies and rounds
+                    # each allocation up to a power of two.
+                    host = pinner.pin(host.to("cpu"))
                     param.data = host
                 layer.host[name] = host
                 slot_shape = (slots,) + tuple(host.shape[1:])
@@ -594,11 +722,15 @@ def offload_experts(
                 layer.fused_kwargs = adapter.fused_kwargs(layer.experts, layer.slots)
         runtime = OffloadRuntime(model, adapter, target, slots, policy, link, layers, num_experts, top_k,
                                  expert_bytes, original_device)
+        runtime._pinner = pinner
         for layer in layers:
             add_hook_to_module(layer.experts, _OffloadHook(runtime, layer))
+            layer.state_dict_hook = layer.experts.register_state_dict_post_hook(
+                functools.partial(_full_experts_state, layer)
+            )
         setattr(model, _RUNTIME_ATTR, runtime)
     except BaseException:
-        _restore(model, layers, original_device, target)
+        _restore(model, layers, original_device, target, pinner)
         raise
     return runtime
 

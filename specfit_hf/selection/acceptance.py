@@ -17,7 +17,7 @@ its token.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -197,19 +197,34 @@ _CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_MAX_RANKS = 32  # sibling ranks tracked (SpecFitConfig bounds tree_top_k to this)
+
+
+def _rank_prior() -> tuple[np.ndarray, np.ndarray]:
+    """Prior (accepted, trials) per sibling rank ``r``: acceptance ``1 / (2 (r + 1)^2)`` worth 2 outcomes.
+
+    1/2 for the first child, 1/8 for the second, 1/18 for the third: a draft's later
+    choices are rarely the target's, so a tree starts narrow and widens as data shows
+    the draft's second choices pay.
+    """
+    trials = np.full(_MAX_RANKS, 2.0)
+    return 1.0 / (np.arange(_MAX_RANKS) + 1.0) ** 2, trials
+
+
 @dataclass
 class AcceptanceModel:
     """What a policy has learnt about the draft's acceptance (shared across ``generate`` calls).
 
-    ``calibrator``: per-node acceptance from draft confidence.  ``child_accepted`` /
-    ``child_trials``: decayed counts of "the most confident child of an observed parent
-    (or of the root) was accepted" -- the acceptance the stop rule's look-ahead assumes
-    for the not yet drafted next level (prior 1 of 2).
+    ``calibrator``: per-node acceptance from draft confidence.  ``rank_accepted`` /
+    ``rank_trials``: decayed counts, per sibling rank ``r`` (0: a parent's most confident
+    child), of "the rank-``r`` child of an observed parent (or of the root) was accepted"
+    -- what the stop rule's look-ahead assumes for children not drafted yet, and how many
+    children a level is worth drafting.
     """
 
     calibrator: AcceptanceCalibrator
-    child_accepted: float = 1.0
-    child_trials: float = 2.0
+    rank_accepted: np.ndarray = field(default_factory=lambda: _rank_prior()[0])
+    rank_trials: np.ndarray = field(default_factory=lambda: _rank_prior()[1])
 
     @classmethod
     def for_draft(cls, draft: object, settings: dict, share: bool) -> AcceptanceModel:
@@ -223,9 +238,13 @@ class AcceptanceModel:
             return fresh
         return per_draft.setdefault(repr(sorted(settings.items())), fresh)
 
+    def rank_acceptance(self) -> np.ndarray:
+        """``[R]`` learnt acceptance of a parent's rank-``r`` child (non-increasing in ``r``)."""
+        return np.minimum.accumulate(self.rank_accepted / self.rank_trials)
+
     def child_acceptance(self) -> float:
         """Learnt acceptance of a parent's most confident child."""
-        return self.child_accepted / self.child_trials
+        return float(self.rank_accepted[0] / self.rank_trials[0])
 
     def path(self, tree: DraftTree) -> np.ndarray:
         """``[N]`` estimated probability that the whole path root -> v is accepted."""
@@ -233,16 +252,20 @@ class AcceptanceModel:
 
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, greedy: bool) -> None:
         """Learn from a verified cycle (greedy: unverified nodes count too, see :func:`acceptance_outcomes`)."""
+        if len(tree) == 0:
+            return  # a plain step: nothing drafted, nothing to learn
         seen, accepted = acceptance_outcomes(tree, selection, result, include_unverified=greedy)
         if not seen.size:
             return
         probs = tree.draft_probs.numpy()[seen]
         depths = tree.depths.numpy()[seen]
-        self.calibrator.update(probs, accepted, depths, sibling_ranks(tree)[seen])
+        ranks = sibling_ranks(tree)[seen]
+        self.calibrator.update(probs, accepted, depths, ranks)
         parents = tree.parents.numpy()[seen]
-        deep = depths >= 1  # depth-1 outcomes too: a chain that stops at level 1 must still learn
-        for parent in np.unique(parents[deep]):
-            among = np.nonzero(deep & (parents == parent))[0]
-            best = among[np.argmax(probs[among])]
-            self.child_accepted = _CHILD_DECAY * self.child_accepted + float(accepted[best])
-            self.child_trials = _CHILD_DECAY * self.child_trials + 1.0
+        for parent in np.unique(parents):
+            among = np.nonzero(parents == parent)[0]
+            rank = np.minimum(ranks[among], _MAX_RANKS - 1)
+            self.rank_accepted[rank] *= _CHILD_DECAY
+            self.rank_trials[rank] *= _CHILD_DECAY
+            np.add.at(self.rank_accepted, rank, accepted[among].astype(np.float64))
+            np.add.at(self.rank_trials, rank, 1.0)

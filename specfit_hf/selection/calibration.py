@@ -77,14 +77,18 @@ class OnlineCostModel:
         window: most recent cycles used by the fit.
         min_samples: cycles before the first refit.
         prior_weight: pseudo-samples pinning the fit to ``initial``.
+        refit_every: cycles between refits once ``min_samples`` are in.
     """
 
-    def __init__(self, initial: CostModel, window: int = 64, min_samples: int = 4, prior_weight: float = 2.0):
+    def __init__(self, initial: CostModel, window: int = 64, min_samples: int = 4, prior_weight: float = 2.0,
+                 refit_every: int = 4):
         self.initial = initial
         self.model = initial
         self.samples: deque[CostSample] = deque(maxlen=int(window))
         self.min_samples = int(min_samples)
         self.prior_weight = float(prior_weight)
+        self.refit_every = max(1, int(refit_every))
+        self._added = 0
         self.predicted: list[float] = []
         self.measured: list[float] = []
 
@@ -96,7 +100,9 @@ class OnlineCostModel:
         if predicted is not None and np.isfinite(predicted):
             self.predicted.append(float(predicted))
             self.measured.append(float(seconds))
-        if len(self.samples) >= self.min_samples:
+        self._added += 1
+        # refit every few cycles: one cycle barely moves a 64-cycle fit, and the fit is host time
+        if len(self.samples) >= self.min_samples and (self._added - self.min_samples) % self.refit_every == 0:
             self.model = fit_cost_model(self.samples, prior=self.initial, prior_weight=self.prior_weight)
 
     @property

@@ -6,7 +6,8 @@
 * the verification cost ``t0 + t_token * tokens + t_expert * misses``, refitted on the
   measured (cycle - draft - select) seconds and *measured* expert loads of each cycle
   (:class:`~specfit_hf.selection.calibration.OnlineCostModel`);
-* draft + search seconds per draft level (EMA), added to ``t0`` for the levels drafted;
+* the seconds of drafting (draft steps + the search after each level) per level and per
+  drafted node (:class:`~.gate.DraftCost`), added to ``t0`` for what the tree holds;
 * the miss scale: measured expert loads per *predicted* miss of the verified sets.  The
   search counts predicted misses, and a predictor with imperfect recall predicts fewer
   distinct experts than a large block really routes to, so big selections would look
@@ -21,14 +22,15 @@ import numpy as np
 
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
-from .calibration import OnlineCostModel
-from .gate import DraftingMeasurements
+from .calibration import OnlineCostModel, mape
+from .gate import DraftCost, DraftingMeasurements
 from .search import CostModel
 
 __all__ = ["CycleCostTracker", "default_cost_model"]
 
 _MISS_DECAY = 0.9  # per cycle: the loads-per-predicted-miss ratio follows the cache state
 _MISS_PRIOR = 4.0  # pseudo-misses on both sides: the ratio starts at 1
+_DRAFT_DECAY = 0.9  # per drafting cycle: the drafting cost fit follows the host's load
 
 
 def default_cost_model(experts: ExpertCacheView | None = None) -> CostModel:
@@ -48,15 +50,17 @@ class CycleCostTracker:
 
     Args:
         initial: the starting verification cost model.
-        drafting: measurements shared with the drafting gate (``level_seconds`` lives there).
-        ema: weight of the newest cycle in ``level_seconds``.
+        drafting: measurements shared with the drafting gate (the drafting cost lives there).
         online: refit the verification model from measured cycles.
     """
 
-    def __init__(self, initial: CostModel, drafting: DraftingMeasurements, ema: float, online: bool) -> None:
-        self.fit = OnlineCostModel(initial)
+    def __init__(self, initial: CostModel, drafting: DraftingMeasurements, online: bool) -> None:
+        if drafting.verify is None:  # shared: later calls on the same runtime and draft start from this fit
+            drafting.verify = OnlineCostModel(initial)
+        self.fit: OnlineCostModel = drafting.verify
         self.drafting = drafting
-        self.ema = ema
+        self.predicted: list[float] = []  # this call's whole-cycle forecasts and measurements (MAPE)
+        self.measured: list[float] = []
         self.online = online
         self._miss_sums = (0.0, 0.0)  # decayed (measured loads, predicted misses) of verified sets
 
@@ -66,9 +70,9 @@ class CycleCostTracker:
         return self.fit.model
 
     @property
-    def level_seconds(self) -> float | None:
-        """Measured draft + search seconds per draft level (EMA)."""
-        return self.drafting.level_seconds
+    def draft(self) -> DraftCost:
+        """The fitted cost of drafting (shared with later calls on the same runtime and draft)."""
+        return self.drafting.draft
 
     @property
     def miss_scale(self) -> float:
@@ -76,10 +80,10 @@ class CycleCostTracker:
         loaded, predicted = self._miss_sums
         return float(np.clip((loaded + _MISS_PRIOR) / (predicted + _MISS_PRIOR), 0.25, 4.0))
 
-    def cycle_model(self, levels: int) -> CostModel:
-        """The cost model of a whole cycle that drafted ``levels`` levels (drafting is in ``t0``)."""
+    def cycle_model(self, levels: int, nodes: int) -> CostModel:
+        """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``)."""
         c = self.model
-        return CostModel(c.t0 + (self.level_seconds or 0.0) * levels, c.t_token, c.t_expert * self.miss_scale)
+        return CostModel(c.t0 + self.draft.predict(levels, nodes), c.t_token, c.t_expert * self.miss_scale)
 
     def observe(self, tree: DraftTree, selection: Selection, record: CycleRecord,
                 predicted_misses: int | None) -> None:
@@ -91,20 +95,18 @@ class CycleCostTracker:
                                _MISS_DECAY * predicted + predicted_misses)
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        if tree.num_levels > 0:
-            per_level = (draft_s + select_s) / tree.num_levels  # a level costs its draft step and the search after it
-            previous = self.drafting.level_seconds
-            self.drafting.level_seconds = per_level if previous is None else (1 - self.ema) * previous + self.ema * per_level
+        if tree.num_levels > 0:  # a level costs its draft step and the search after it
+            self.draft.add(tree.num_levels, len(tree), draft_s + select_s, _DRAFT_DECAY)
         if self.online:
             self.fit.add(tokens=record.nodes_verified + 1,
                          misses=0 if record.experts_loaded is None else record.experts_loaded,
                          seconds=max(seconds - draft_s - select_s, 1e-9))
         # forecast vs measurement of the whole cycle, for the MAPE report
         if not self.online or math.isfinite(selection.predicted_time):
-            self.fit.predicted.append(float(selection.predicted_time))
-            self.fit.measured.append(seconds)
+            self.predicted.append(float(selection.predicted_time))
+            self.measured.append(seconds)
 
     @property
     def mape(self) -> float:
         """MAPE (%) of the whole-cycle forecasts against measured cycle seconds."""
-        return self.fit.mape
+        return mape(self.predicted, self.measured)

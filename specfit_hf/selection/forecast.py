@@ -28,6 +28,7 @@ class _TreePredictions:
         self.cached = cached
         self.nodes = np.zeros((0, *root.shape), dtype=np.int64)
         self.done = np.zeros(0, dtype=bool)  # which node rows hold predictions
+        self.root_missing: int | None = None
 
 
 class ExpertForecast:
@@ -75,14 +76,21 @@ class ExpertForecast:
     def root_missing(self, tree: DraftTree) -> int:
         """Predicted misses of verifying the root alone, against the cycle's residents."""
         root = self.root(tree)
-        return 0 if root is None else root_missing(root, self.current.cached)
+        if root is None:
+            return 0
+        if self.current.root_missing is None:
+            self.current.root_missing = root_missing(root, self.current.cached)
+        return self.current.root_missing
 
     def plain_step_missing(self, tree: DraftTree) -> int:
         """Predicted misses of a plain decode step (before any drafting), against the residents now."""
         if self.predictor is None:
             return 0
         # history knows the root token; the other predictors need a draft hidden state
-        return root_missing(self.predictor.predict_root(tree), self.experts.resident())
+        root = self.predictor.predict_root(tree)
+        if not (root >= 0).any():
+            return 0  # no guess: skip reading the residents
+        return root_missing(root, self.experts.resident())
 
     def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:
         """Predicted misses of verifying the root and ``selection`` (``None`` if not predicted for this tree)."""

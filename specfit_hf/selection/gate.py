@@ -19,16 +19,51 @@ offload runtime with the same draft and policy settings.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["DraftingMeasurements", "DraftingGate", "drafting_measurements"]
+import numpy as np
+
+__all__ = ["DraftCost", "DraftingMeasurements", "DraftingGate", "drafting_measurements"]
+
+
+@dataclass
+class DraftCost:
+    """Seconds of drafting a tree (draft steps + the search after each level) ~ ``t_level * levels + t_node * nodes``.
+
+    Fitted on every drafting cycle by least squares on decayed sums (a small ridge keeps
+    ``t_node`` near 0 while every level has the same width, when the split is not
+    identifiable); both terms non-negative.
+    """
+
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # decayed [LL, LN, NN, LS, NS]
+    t_level: float | None = None
+    t_node: float = 0.0
+
+    def add(self, levels: int, nodes: int, seconds: float, decay: float) -> None:
+        """Add one cycle's drafting: ``levels`` levels with ``nodes`` nodes in ``seconds``."""
+        lv, nd = float(levels), float(nodes)
+        self.sums = decay * self.sums + np.array([lv * lv, lv * nd, nd * nd, lv * seconds, nd * seconds])
+        ll, ln, nn, ls, ns = self.sums
+        ridge = 1e-3 * nn + 1e-12
+        det = ll * (nn + ridge) - ln * ln
+        t_level = (ls * (nn + ridge) - ln * ns) / det if det > 0 else -1.0
+        t_node = (ll * ns - ln * ls) / det if det > 0 else -1.0
+        if t_level < 0 or t_node < 0:  # one term alone
+            t_level, t_node = (ls / ll, 0.0) if t_node < 0 or ls / ll >= ns / max(nn, 1e-12) else (0.0, ns / nn)
+        self.t_level, self.t_node = max(float(t_level), 0.0), max(float(t_node), 0.0)
+
+    def predict(self, levels: int, nodes: int) -> float:
+        """Seconds of drafting ``levels`` levels holding ``nodes`` nodes (0 before any data)."""
+        return 0.0 if self.t_level is None else self.t_level * levels + self.t_node * nodes
 
 
 @dataclass
 class DraftingMeasurements:
     """Measured cost and pay-off of drafting (shared across calls on one runtime + draft).
 
-    ``level_seconds``: EMA of draft + search seconds per level.  ``drafted_sums`` /
+    ``draft``: the fitted cost of drafting (:class:`DraftCost`); ``verify``: the online fit
+    of verification cost, so a later call starts from what earlier calls measured instead
+    of exploring again.  ``drafted_sums`` /
     ``plain_sums``: decayed (tokens, seconds) of cycles that drafted / did not.
     ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploring cycle and
     the cycles until the next; ``exploring``: while an exploring cycle is in flight, the
@@ -36,7 +71,8 @@ class DraftingMeasurements:
     """
 
     interval: int
-    level_seconds: float | None = None
+    draft: DraftCost = field(default_factory=DraftCost)
+    verify: object | None = None  # the OnlineCostModel of verification, once a call has made one
     drafted_sums: tuple[float, float] | None = None
     plain_sums: tuple[float, float] | None = None
     cycle: int = 0

@@ -1,15 +1,21 @@
-"""The stop rule: could drafting more levels beat the current optimum's throughput?
+"""The drafting plan: draft another level?  Which nodes, how many children each?
 
 The search only sees drafted nodes, and the next level's value shows only after it is
-drafted and paid for.  Drafting continues whenever the optimum holds a node of the
-newest level (its children may pay too).  Otherwise a look-ahead: under each frontier
-node ``v`` (the newest level's nodes the drafter expands next) imagine a chain of ``h``
-children (``h`` up to the remaining depth) with path acceptance ``P(v) a^j`` (``a``: the
-learnt acceptance of a node's most confident child), each adding as many predicted
-misses as ``v`` adds to the rest of the set, and costing ``h`` more draft levels.
-Drafting continues when any such set ``S* + ancestors(v) + chain`` has a higher
-predicted throughput than ``S*``: it matters where a frontier node's ancestors are not in
-the optimum yet, since a chain below can amortise them.
+drafted and paid for, so the plan looks ahead.  A node ``v`` of the newest level is
+worth expanding when it is in the current optimum ``S*`` (its children may pay too), or
+when a chain of ``h`` children below it (``h`` up to the remaining depth) with path
+acceptance ``P(v) a^j`` (``a``: the learnt acceptance of a node's most confident child),
+each adding as many predicted misses as ``v`` adds to the rest of the set and costing
+``h`` more draft levels, makes ``S* + ancestors(v) + chain`` beat ``S*``'s predicted
+throughput (it matters where ``v``'s ancestors are not in the optimum yet: a chain below
+can amortise them).  Drafting stops when no node is worth expanding.
+
+Each expanded node gets ``1 + #{r >= 1 : P(v) a_r > P_min}`` children, ``a_r`` the learnt
+acceptance of a rank-``r`` child and ``P_min = t_token / T(root alone)`` the path
+acceptance below which a node can never be in the optimum
+(:func:`~.search.useful_nodes`): a child that could never be verified is not drafted.
+So a draft that is right with its first choice grows a chain, and a level costs what
+its few useful nodes cost.
 """
 
 from __future__ import annotations
@@ -18,11 +24,20 @@ from typing import Callable
 
 import numpy as np
 
+import torch
+
 from ..tree import DraftTree, Selection
+from .acceptance import AcceptanceModel
 from .forecast import MissingCounter
 from .search import CostModel
 
-__all__ = ["LookAhead"]
+__all__ = ["LookAhead", "useful_children"]
+
+
+def useful_children(parent_path: float, rank_acceptance: np.ndarray, threshold: float, limit: int) -> int:
+    """Children worth drafting below a node of path acceptance ``parent_path`` (at least 1, at most ``limit``)."""
+    useful = parent_path * rank_acceptance[1:limit] > threshold
+    return 1 + int(np.count_nonzero(useful))
 
 
 class LookAhead:
@@ -39,28 +54,36 @@ class LookAhead:
         self.frontier_width = frontier_width
         self.enabled = enabled
 
-    def keep_drafting(self, tree: DraftTree, sel: Selection, path: np.ndarray,
-                      experts: tuple[np.ndarray, np.ndarray] | None, cached: np.ndarray | None,
-                      child_acceptance: float, cycle_model: Callable[[int], CostModel]) -> bool:
-        """Whether to draft another level after ``sel`` (the optimum of the tree drafted so far)."""
+    def plan(self, tree: DraftTree, sel: Selection, path: np.ndarray, experts: tuple[np.ndarray, np.ndarray] | None,
+             cached: np.ndarray | None, acceptance: AcceptanceModel, cycle_model: Callable[[int, int], CostModel],
+             threshold: float) -> None:
+        """Set ``sel.stop``, ``sel.expand`` and ``sel.children`` for the tree drafted so far (``sel``: its optimum)."""
         level = tree.num_levels
+        sel.stop = True
         if level >= self.max_depth:
-            return False
+            return
         newest = np.nonzero(tree.depths.numpy() == level)[0]
-        if bool(np.isin(sel.nodes.numpy(), newest).any()):
-            return True  # the newest level already pays: its children may too
-        if not self.enabled:
-            return False
         width = self.frontier_width or newest.size
         frontier = newest[np.argsort(-tree.path_probs.numpy()[newest], kind="stable")[:width]]
         chosen = np.zeros(len(tree), dtype=bool)
         chosen[sel.nodes.numpy()] = True
-        missing = MissingCounter(experts, cached) if experts is not None else None
-        remaining = self.max_depth - level
-        gains = np.cumsum(child_acceptance ** np.arange(1, remaining + 1))
-        costs = [cycle_model(level + h) for h in range(1, remaining + 1)]
-        return any(self._chain_pays(tree, int(v), chosen, path, missing, gains, costs, sel.throughput)
-                   for v in frontier)
+        ranks = acceptance.rank_acceptance()
+        expand = frontier[chosen[frontier]]  # the newest level already pays: its children may too
+        if self.enabled:
+            missing = MissingCounter(experts, cached) if experts is not None else None
+            remaining = self.max_depth - level
+            gains = np.cumsum(ranks[0] ** np.arange(1, remaining + 1))
+            others = [int(v) for v in frontier if not chosen[v]]
+            for v in others:
+                children = useful_children(float(path[v]), ranks, threshold, width)
+                costs = [cycle_model(level + h, len(tree) + h * children) for h in range(1, remaining + 1)]
+                if self._chain_pays(tree, v, chosen, path, missing, gains, costs, sel.throughput):
+                    expand = np.append(expand, v)
+        if expand.size == 0:
+            return
+        sel.stop = False
+        sel.expand = torch.from_numpy(np.sort(expand).astype(np.int64))
+        sel.children = useful_children(float(path[expand].max()), ranks, threshold, width)
 
     @staticmethod
     def _chain_pays(tree: DraftTree, v: int, chosen: np.ndarray, path: np.ndarray, missing: MissingCounter | None,

@@ -32,7 +32,9 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   figures are always evaluated exactly from the chosen set.
 
 Without expert information (``node_experts is None``) the closure is a tree and a
-linear-time dynamic program solves it exactly.
+linear-time dynamic program solves it exactly.  A tree with at most 2048 ancestor-closed
+subsets (what a narrow draft grows: a chain of ``n`` nodes has ``n + 1``) is solved by
+scoring every one of them at once.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from .mincut import min_cut_rounds
 __all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
 
 _MAX_DINKELBACH_STEPS = 100
+_ENUMERATE_SETS = 2048  # up to this many closed subsets, scoring them all beats building a flow network
 _SPLIT_ROUNDS = 4  # cost-split relaxations tried before a min cut
 
 
@@ -136,20 +139,10 @@ class SearchProblem:
         self._build_items(node_experts, root_experts, cached)
 
     # ------------------------------------------------------------------ items
-    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+    def _checked_experts(self, node_experts: Any, root_experts: Any | None,
+                         cached: Any | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(node experts ``[N, L, k]``, root experts ``[L, k']``, cached ``[L, E]``) as arrays, shapes checked."""
         n = self.n
-        self.root_missing = 0
-        self.num_items = 0
-        self.pair_node = np.zeros(0, dtype=np.int64)
-        self.pair_item = np.zeros(0, dtype=np.int64)
-        self.private = np.zeros(n, dtype=np.float64)
-        self.group_cost_count = np.zeros(0, dtype=np.float64)
-        self.member_node = np.zeros(0, dtype=np.int64)
-        self.member_group = np.zeros(0, dtype=np.int64)
-        if node_experts is None:
-            if root_experts is not None:
-                raise ValueError("root_experts given without node_experts")
-            return
         ne = _as_numpy(node_experts, np.int64)
         if ne.ndim != 3 or ne.shape[0] != n:
             raise ValueError(f"node_experts must be [N={n}, L, k], got shape {tuple(ne.shape)}")
@@ -168,6 +161,24 @@ class SearchProblem:
                 raise ValueError(f"root_experts must be [L={num_layers}, k], got shape {tuple(re.shape)}")
         if ne.size and ne.max() >= num_experts or re.size and re.max() >= num_experts:
             raise ValueError(f"expert ids must be < E={num_experts} (negative ids mean 'none')")
+        return ne, re, cached
+
+    def _build_items(self, node_experts: Any | None, root_experts: Any | None, cached: Any | None) -> None:
+        n = self.n
+        self.root_missing = 0
+        self.num_items = 0
+        self.pair_node = np.zeros(0, dtype=np.int64)
+        self.pair_item = np.zeros(0, dtype=np.int64)
+        self.private = np.zeros(n, dtype=np.float64)
+        self.group_cost_count = np.zeros(0, dtype=np.float64)
+        self.member_node = np.zeros(0, dtype=np.int64)
+        self.member_group = np.zeros(0, dtype=np.int64)
+        if node_experts is None:
+            if root_experts is not None:
+                raise ValueError("root_experts given without node_experts")
+            return
+        ne, re, cached = self._checked_experts(node_experts, root_experts, cached)
+        num_layers, num_experts = cached.shape
         layer_off = (np.arange(num_layers, dtype=np.int64) * num_experts)[:, None]
         # items the root pays anyway or the cache holds cost nothing
         costly = ~cached.reshape(-1)
@@ -204,6 +215,16 @@ class SearchProblem:
             lin, first_pair = np.unique(lin, return_index=True)
             nodes, items = nodes[first_pair], items[first_pair]
 
+        self._charge_topmost_users(usage, nodes, items, lin, num_items)
+
+    def _charge_topmost_users(self, usage: np.ndarray, nodes: np.ndarray, items: np.ndarray, lin: np.ndarray,
+                              num_items: int) -> None:
+        """Private cost per node and groups of shared items (items with the same user set merge).
+
+        ``usage`` ``[n, items]``: which node uses which costly item; ``(nodes, items)`` its
+        pairs, one per (node, item); ``lin`` their flat indices in ``usage``.
+        """
+        n = self.n
         # charge each item to its topmost users only: an ancestor's use covers the node's
         covered = np.zeros_like(usage)
         for idx in self.levels[1:]:
@@ -419,8 +440,42 @@ class SearchProblem:
             selected[nodes[side[:nn]]] = True
             yield selected
 
+    def _closed_subsets(self, limit: int | None = None) -> np.ndarray | None:
+        """Every ancestor-closed subset as a ``[count, n]`` bool array, or ``None`` past ``limit`` of them
+        (default ``_ENUMERATE_SETS``).
+
+        Grown node by node (parents first): each set holding ``v``'s parent spawns a copy with
+        ``v``.  A chain of ``n`` nodes has ``n + 1`` closed subsets, a bushy tree far more.
+        """
+        n = self.n
+        limit = _ENUMERATE_SETS if limit is None else limit
+        if n > 62:
+            return None
+        bits = np.zeros(1, dtype=np.int64)
+        for v in range(n):
+            par = self.parents[v]
+            grown = bits if par < 0 else bits[(bits >> par) & 1 == 1]
+            bits = np.concatenate([bits, grown | (1 << v)])
+            if bits.size > limit:
+                return None
+        return ((bits[:, None] >> np.arange(n)) & 1).astype(bool)
+
+    def _enumerate(self, masks: np.ndarray) -> np.ndarray:
+        """The best of the closed subsets ``masks`` (``[count, n]`` bool), scored at once."""
+        missing = np.full(masks.shape[0], float(self.root_missing))
+        if self.num_items:
+            usage = np.zeros((self.n, self.num_items), dtype=np.float64)
+            usage[self.pair_node, self.pair_item] = 1.0
+            missing += np.count_nonzero(masks.astype(np.float64) @ usage, axis=1)
+        e = 1.0 + masks.astype(np.float64) @ self.p
+        c = self.cost
+        return masks[int(np.argmax(e / (c.t0 + c.t_token * (masks.sum(axis=1) + 1) + c.t_expert * missing)))]
+
     def solve(self, warm_start: np.ndarray | None = None) -> np.ndarray:
-        """The optimal closed node mask (Dinkelbach iteration)."""
+        """The optimal closed node mask (every closed subset when there are few, else Dinkelbach iteration)."""
+        masks = self._closed_subsets() if _ENUMERATE_SETS else None
+        if masks is not None:
+            return self._enumerate(masks)
         best = np.zeros(self.n, dtype=bool)
         best_thr = self.throughput(best)
         candidates = [self._best_prefix()]

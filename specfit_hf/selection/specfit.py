@@ -11,7 +11,9 @@ After every draft level :meth:`SpecFitPolicy.select` runs the recipe:
 4. **search**: the exact ancestor-closed subtree maximizing ``E(S) / T(S)``
    (:func:`~.search.select_subtree`), warm-started from the previous level's optimum,
    with ``T`` from the measured cycle costs (:class:`~.costs.CycleCostTracker`);
-5. **stop rule**: draft another level only while it can pay (:class:`~.lookahead.LookAhead`).
+5. **drafting plan**: draft another level only while it can pay, expanding only the nodes
+   that can pay, with only the children that could ever be verified
+   (:class:`~.lookahead.LookAhead`): the drafting width is part of the decision.
 
 Before drafting (the empty tree) the drafting gate decides whether this cycle drafts at
 all (:class:`~.gate.DraftingGate`): the policy degrades to plain decoding when the draft
@@ -37,7 +39,7 @@ from .costs import CycleCostTracker, default_cost_model
 from .experts import make_predictor
 from .forecast import ExpertForecast
 from .gate import DraftingGate, drafting_measurements
-from .lookahead import LookAhead
+from .lookahead import LookAhead, useful_children
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
 from .search import CostModel, closed_part, save_instance, select_subtree, useful_nodes
@@ -79,7 +81,7 @@ class SpecFitPolicy(SelectionPolicy):
         # cycle costs depend on the policy and its settings (the oracle's include its probe)
         key = f"{type(self).__name__}:{self.options!r}:{self.max_depth}"
         drafting = drafting_measurements(ctx.experts, ctx.draft, key, opts.explore_every, opts.share_drafting)
-        self.costs = CycleCostTracker(initial, drafting, opts.ema, opts.online_cost)
+        self.costs = CycleCostTracker(initial, drafting, opts.online_cost)
         self.gate = DraftingGate(drafting, opts.adaptive_drafting, opts.explore_every, opts.max_explore_every,
                                  opts.ema)
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance)
@@ -101,22 +103,36 @@ class SpecFitPolicy(SelectionPolicy):
         if len(tree) == 0:
             return self._before_drafting(tree)
         path = self.acceptance.path(tree)
-        cost = self.costs.cycle_model(tree.num_levels)
+        cost = self.costs.cycle_model(tree.num_levels, len(tree))
         candidates = self._prune(tree, path, cost)
         newest = np.nonzero(tree.depths.numpy() == tree.num_levels)[0]
         experts = self.forecast.nodes(tree, np.union1d(candidates, newest))  # the look-ahead reads the frontier
         sel = self._search(tree, path, candidates, experts, cost)
-        sel.stop = not self.lookahead.keep_drafting(tree, sel, path, experts, self.forecast.cached,
-                                                    self.acceptance.child_acceptance(), self.costs.cycle_model)
+        threshold = self._useful_path(cost, self.forecast.root_missing(tree))
+        self.lookahead.plan(tree, sel, path, experts, self.forecast.cached, self.acceptance, self.costs.cycle_model,
+                            threshold)
         self._last = sel
         return sel
 
     def _before_drafting(self, tree: DraftTree) -> Selection:
-        """The plain step (root alone) with its predicted time; the gate decides whether to draft."""
+        """The plain step (root alone) with its predicted time; the gate decides whether to draft, and how wide."""
         self._last = None
-        predicted = self.costs.cycle_model(0).predict(1, self.forecast.plain_step_missing(tree))
+        cost = self.costs.cycle_model(0, 0)
+        predicted = cost.predict(1, self.forecast.plain_step_missing(tree))
         stop = self.max_depth < 1 or self.gate.skip_drafting()
-        return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=predicted, stop=stop)
+        children = useful_children(1.0, self.acceptance.rank_acceptance(), self._useful_path(cost, None, predicted),
+                                   self.lookahead.frontier_width or 1)
+        return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=predicted, stop=stop, children=children)
+
+    def _useful_path(self, cost: CostModel, root_missing: int | None, root_time: float | None = None) -> float:
+        """Path acceptance a node needs to be worth drafting: it costs a draft slot and a verified token.
+
+        A node adds at most its path acceptance to ``E`` and at least ``t_token + t_node`` to ``T``;
+        below ``(t_token + t_node) / T(root alone)`` it cannot raise any set's throughput.
+        """
+        if root_time is None:
+            root_time = cost.predict(1, root_missing)
+        return (cost.t_token + self.costs.draft.t_node) / root_time
 
     def _prune(self, tree: DraftTree, path: np.ndarray, cost: CostModel) -> np.ndarray:
         """Indices of the nodes the optimum may hold (exact pruning, then ``max_nodes`` most likely)."""
