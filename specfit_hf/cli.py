@@ -51,18 +51,19 @@ def _add_link_timing_arg(p: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def _add_twin_arg(p: argparse.ArgumentParser) -> None:
+def _add_twin_arg(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument(
-        "--twin", default=None, metavar="MODEL@DEVICE-LINK[+graphs]",
+        "--twin", default=None, metavar="MODEL@DEVICE-LINK[+graphs]", nargs="+" if many else None,
         help="charge a device twin's MODELED GPU time for forwards and expert transfers instead of this CPU's "
-        "(specfit_hf.twin; e.g. qwen3-30b-a3b@rtx4090-pcie4); --link/--link-gbps are then ignored",
+        "(specfit_hf.twin; e.g. qwen3-30b-a3b@rtx4090-pcie4" + ("; several: one part each, merged" if many else "")
+        + "); --link/--link-gbps are then ignored",
     )
 
 
-def _check_twin(name: str | None) -> None:
-    if name is not None:
-        from .twin import get_twin
+def _check_twin(names: str | list[str] | None) -> None:
+    from .twin import get_twin
 
+    for name in [names] if isinstance(names, str) else names or []:
         try:
             get_twin(name)
         except KeyError as e:
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-source-chars", type=int, default=1500, help="shorten articles/questions to this many chars")
     b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
     _add_link_timing_arg(b, default="virtual")
-    _add_twin_arg(b)
+    _add_twin_arg(b, many=True)
 
     r = sub.add_parser("report", help="merge several bench results.json files into one report")
     r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
@@ -237,7 +238,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import expand_policies, run_benchmark, write_report
+    from .bench import expand_policies, merge_results, run_benchmark, write_report
     from .data import load_prompts
 
     _check_twin(args.twin)
@@ -268,20 +269,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for tuned in ("eagle3-best", "static-best"):
             if tuned in args.policies and not tune:
                 raise SystemExit(f"specfit: {tuned} needs --tune-prompts > 0")
-    results = run_benchmark(
-        target,
-        draft,
-        tok,
-        prompts,
-        cache_fractions=args.cache_fractions,
-        links=args.link,
-        policies=args.policies,
-        runs=args.runs,
-        max_new_tokens=args.max_new_tokens,
-        tune_prompts=tune or None,
-        virtual_link=args.link_timing == "virtual",
-        twin=args.twin,
-    )
+    parts = [
+        run_benchmark(
+            target,
+            draft,
+            tok,
+            prompts,
+            cache_fractions=args.cache_fractions,
+            links=args.link,
+            policies=args.policies,
+            runs=args.runs,
+            max_new_tokens=args.max_new_tokens,
+            tune_prompts=tune or None,
+            virtual_link=args.link_timing == "virtual",
+            twin=twin,
+        )
+        for twin in (args.twin or [None])
+    ]
+    results = parts[0] if len(parts) == 1 else merge_results(parts)
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())
     print("wrote", ", ".join(str(p) for p in paths.values()))
