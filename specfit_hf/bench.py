@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import platform
+import re
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .clock import clock
+from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
 from .selection import available_policies, mape
@@ -114,7 +114,9 @@ def static_variant(label: str) -> Variant:
     """The variant of a ``static:d<depth>k<top_k>n<nodes>`` label (the ``eagle3`` policy, fixed shape)."""
     m = _STATIC_RE.match(label)
     if m is None:
-        raise ValueError(f"bad static tree label {label!r}: expected static:d<depth>k<top_k>n<nodes>, e.g. static:d3k1n3")
+        raise ValueError(
+            f"bad static tree label {label!r}: expected static:d<depth>k<top_k>n<nodes>, e.g. static:d3k1n3"
+        )
     depth, top_k, nodes = (int(x) for x in m.groups())
     if min(depth, top_k, nodes) < 1:
         raise ValueError(f"static tree {label!r}: depth, top_k and nodes must all be >= 1")
@@ -227,7 +229,9 @@ class PromptRun:
 
 
 @torch.inference_mode()
-def measure_cached_step(target: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 16, repeats: int = 3) -> float:
+def measure_cached_step(
+    target: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 16, repeats: int = 3
+) -> float:
     """Median seconds per decode step of ``target`` with every expert resident.
 
     Call it before attaching the offload runtime (then every expert is on the device).
@@ -356,7 +360,8 @@ def _tune(
     """The key of ``candidates`` whose variant has the best decode tok/s on ``prompts_ids``."""
     scores: dict[Any, float] = {}
     for key, variant in tqdm(candidates.items(), desc=desc, leave=False, disable=len(candidates) < 3):
-        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i) for i, ids in enumerate(prompts_ids)]
+        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i)
+                for i, ids in enumerate(prompts_ids)]
         scores[key] = _decode_tokens_per_second(runs)
     best = max(scores, key=lambda k: -math.inf if math.isnan(scores[k]) else scores[k])
     return best, scores
@@ -396,7 +401,9 @@ def tune_static(
 
 
 def summarize(
-    runs: list[PromptRun], reference: dict[int, list[int]], baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3", "static-best")
+    runs: list[PromptRun],
+    reference: dict[int, list[int]],
+    baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3", "static-best"),
 ) -> dict[str, dict[str, Any]]:
     """Per-variant metrics of one cell; ``reference`` maps prompt index -> autoregressive tokens.
 
@@ -426,7 +433,8 @@ def summarize(
             "experts_loaded_per_token": sum(r.experts_loaded for r in vruns) / max(1, committed),
             "bytes_per_token": sum(r.bytes_h2d for r in vruns) / max(1, committed),
             "cycle_time_mape_pct": mape(
-                [p for r in vruns for p in r.predicted_cycle_seconds], [m for r in vruns for m in r.measured_cycle_seconds]
+                [p for r in vruns for p in r.predicted_cycle_seconds],
+                [m for r in vruns for m in r.measured_cycle_seconds],
             ),
             "selection_overhead_share": (
                 sum(r.select_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
@@ -589,8 +597,12 @@ def run_benchmark(
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
         "emulated_link": emulated and twin is None,
-        "link_timing": "twin" if twin is not None else (("virtual" if virtual_link else "wait") if emulated else "real"),
-        "timeline": "modeled (device twin)" if twin is not None else ("emulated link, CPU compute" if emulated else "real"),
+        "link_timing": (
+            "twin" if twin is not None else (("virtual" if virtual_link else "wait") if emulated else "real")
+        ),
+        "timeline": (
+            "modeled (device twin)" if twin is not None else ("emulated link, CPU compute" if emulated else "real")
+        ),
         **({"twin": twin.meta()} if twin is not None else {}),
         "device": str(device),
         **host,

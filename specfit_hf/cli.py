@@ -30,7 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_offload_args(p: argparse.ArgumentParser, default_fraction: float = 0.5) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--offload-slots", type=int, default=None, help="device expert slots per MoE layer")
-    g.add_argument("--cache-fraction", type=float, default=None, help=f"slots as a fraction of experts (default {default_fraction})")
+    g.add_argument("--cache-fraction", type=float, default=None,
+                   help=f"slots as a fraction of experts (default {default_fraction})")
     p.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth in GB/s (CPU only)")
     p.add_argument("--link-latency-us", type=float, default=0.0, help="emulated link latency per transfer")
     p.add_argument(
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="side-by-side benchmark of decoding policies")
     _add_model_args(b)
-    b.add_argument("--prompts", default=None, help="jsonl with a `prompt` field or Spec-Bench rows (`turns`, `category`)")
+    b.add_argument("--prompts", default=None,
+                   help="jsonl with a `prompt` field or Spec-Bench rows (`turns`, `category`)")
     b.add_argument("--dataset", action="append", choices=["cnn_dailymail", "gsm8k"], default=None,
                    help="local dataset(s) from ../shared/data (repeatable; default both when --prompts is absent)")
     b.add_argument("--num-prompts", type=int, default=8, help="prompts per category")
@@ -194,8 +196,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from .bench import measure_cached_step
-    from .generation import SpecFitConfig
     from .clock import clock
+    from .generation import SpecFitConfig
 
     _check_twin(args.twin)
     device = _device(args.device)
@@ -212,7 +214,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         timeline = TwinTimeline(args.twin, target, draft).attach()
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
-    config = SpecFitConfig(policy=args.policy, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **sampling)
+    config = SpecFitConfig(policy=args.policy, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                           **sampling)
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tok, skip_prompt=True)
     runtime.reset_stats()
@@ -255,12 +258,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.prompts:
         prompts = {c: ps[: args.num_prompts] for c, ps in read_prompts_file(args.prompts).items()}
         if args.tune_prompts:
-            tune = {c: ps[args.num_prompts: args.num_prompts + args.tune_prompts] for c, ps in read_prompts_file(args.prompts).items()}
+            tune = {c: ps[args.num_prompts: args.num_prompts + args.tune_prompts]
+                    for c, ps in read_prompts_file(args.prompts).items()}
             tune = {c: ps for c, ps in tune.items() if ps}
     else:
         prompts = {}
         for ds in args.dataset or ["cnn_dailymail", "gsm8k"]:
-            rows = load_prompts(ds, "test", n=args.num_prompts + args.tune_prompts, max_source_chars=args.max_source_chars)
+            rows = load_prompts(ds, "test", n=args.num_prompts + args.tune_prompts,
+                                max_source_chars=args.max_source_chars)
             category = rows[0]["category"]
             prompts[category] = [r["prompt"] for r in rows[: args.num_prompts]]
             if args.tune_prompts:

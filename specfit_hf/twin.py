@@ -389,7 +389,7 @@ def get_twin(name: str | Twin) -> Twin:
 
 
 def effective_tokens(distinct: float, experts: int, top_k: int, tokens: int) -> float:
-    """Independently routed tokens that would touch ``distinct`` of ``experts`` (top ``top_k``), capped at ``tokens``."""
+    """Independently routed tokens that would touch ``distinct`` of ``experts`` (top ``top_k``), at most ``tokens``."""
     if distinct <= 0:
         return 0.0
     if distinct >= experts:
@@ -553,7 +553,8 @@ def sanity_table(names: list[str] | None = None, context: int = 512) -> str:
     """Markdown: each twin's modeled plain decode tok/s (every expert resident) beside published figures."""
     names = names or [n for n in twin_names() if not n.endswith("+graphs")]
     lines = [
-        "| twin | modeled tok/s, eager host overhead | modeled tok/s, +graphs | +graphs step (roofline only) | published batch-1 (what it is) |",
+        "| twin | modeled tok/s, eager host overhead | modeled tok/s, +graphs | +graphs step (roofline only) "
+        "| published batch-1 (what it is) |",
         "|---|---|---|---|---|",
     ]
     for name in names:

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specfit_hf.eagle3 import DraftKVCache, Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter
-from specfit_hf.testing import HIDDEN, VOCAB, aligned_eagle3_draft, tiny_draft, tiny_draft_config, tiny_target
 from specfit_hf.features import capture_hidden_states
+from specfit_hf.testing import HIDDEN, VOCAB, aligned_eagle3_draft, tiny_draft, tiny_draft_config, tiny_target
 from specfit_hf.tree import DraftTree, VerifyResult
 
 

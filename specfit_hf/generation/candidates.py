@@ -1,6 +1,7 @@
 """Stages 2-3 of the cycle: draft a tree and select the subtree to verify.
 
-:func:`make_drafter` picks the drafter of a draft model.  :class:`TreeCandidateGenerator` is a transformers ``CandidateGenerator`` whose candidates
+:func:`make_drafter` picks the drafter of a draft model.  :class:`TreeCandidateGenerator` is
+a transformers ``CandidateGenerator`` whose candidates
 are a *tree*: it alternates ``policy.select`` and ``drafter.draft_level`` until the
 policy says stop (or ``max_depth`` levels exist), then lays the selected nodes out as a
 verification block ``[root] + selected nodes`` (:class:`TreeCandidates`).

@@ -106,7 +106,6 @@ def accept(
     tokens = candidates.input_ids[0].tolist()
     block_parents = candidates.block_parents.tolist()
     children = _children_lists(block_parents)
-    device = logits.device
     has_processors = logits_processor is not None and len(logits_processor) > 0
 
     # Greedy without processors: one argmax over all rows, one host transfer.

@@ -47,12 +47,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from scipy.sparse.csgraph import breadth_first_order
 
 from ..tree import Selection
 from .mincut import min_cut_rounds
 
-__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
+__all__ = [
+    "CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance",
+]
 
 _MAX_DINKELBACH_STEPS = 100
 _ENUMERATE_SETS = 2048  # up to this many closed subsets, scoring them all beats building a flow network
