@@ -27,7 +27,7 @@ import torch
 
 from specfit_hf.cli import load_pair
 from specfit_hf.data import default_model_paths, load_prompts
-from specfit_hf.eagle3.train import TargetTeacher, eagle3_loss, ttt_forward
+from specfit_hf.eagle3.train import TargetTeacher, eagle3_loss
 
 
 def blocks_for(tokenizer, rows: list[dict], seq_len: int) -> torch.Tensor:

@@ -25,10 +25,10 @@ import torch
 
 from specfit_hf import EmulatedLink, offload_experts
 from specfit_hf.eagle3 import Eagle3DraftModel
-from specfit_hf.testing import tiny_target
 from specfit_hf.eagle3.train import TrainConfig, train_eagle3
 from specfit_hf.generation import SpecFitConfig
 from specfit_hf.selection import MeasuredSpecFitPolicy, register_policy
+from specfit_hf.testing import tiny_target
 
 _CAPTURED: list[MeasuredSpecFitPolicy] = []
 

@@ -60,11 +60,13 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 
 def measure_host_device(device: torch.device, dtype: torch.dtype) -> tuple[DeviceSpec, LinkSpec, float]:
     """This device's bandwidth, matmul throughput, per-op overhead and host->device copy rate (measured)."""
-    n = 64 * 2**20 // torch.finfo(dtype).bits * 8
+    big = device.type == "cuda"  # large enough that a GPU's launch latency does not dominate
+    n = (512 if big else 64) * 2**20 * 8 // torch.finfo(dtype).bits
     x = torch.randn(n, device=device, dtype=dtype)
     bw = x.numel() * x.element_size() / _time(lambda: x.sum(), device, 5) / 1e9
-    a = torch.randn(1024, 1024, device=device, dtype=dtype)
-    tflops = 2 * 1024**3 / _time(lambda: a @ a, device, 5) / 1e12
+    side = 8192 if big else 1024
+    a = torch.randn(side, side, device=device, dtype=dtype)
+    tflops = 2 * side**3 / _time(lambda: a @ a, device, 5) / 1e12
     s = torch.ones(1, device=device, dtype=dtype)
 
     def many() -> None:
@@ -72,7 +74,7 @@ def measure_host_device(device: torch.device, dtype: torch.dtype) -> tuple[Devic
             torch.add(s, s)
 
     per_op = _time(many, device, 5) / 200
-    host = torch.randn(8 * 2**20 // 4, dtype=torch.float32, pin_memory=device.type == "cuda")
+    host = torch.randn((256 if big else 8) * 2**20 // 4, dtype=torch.float32, pin_memory=big)
     dst = torch.empty_like(host, device=device)
     link = host.numel() * 4 / _time(lambda: dst.copy_(host, non_blocking=True), device, 5) / 1e9
     return (
@@ -97,13 +99,17 @@ def build(twin: Twin, layers: int, reduce: int, device: torch.device, dtype: tor
                   num_key_value_heads=kv, head_dim=head_dim, num_experts_per_tok=m.top_k,
                   max_position_embeddings=4096, attn_implementation="eager")
     if "mixtral" in m.name.lower():
-        cfg = MixtralConfig(intermediate_size=inter, num_local_experts=m.experts, **common)
-        target = MixtralForCausalLM(cfg)
+        cls, cfg = MixtralForCausalLM, MixtralConfig(intermediate_size=inter, num_local_experts=m.experts, **common)
     else:
-        cfg = Qwen3MoeConfig(intermediate_size=inter, moe_intermediate_size=inter, num_experts=m.experts,
-                             tie_word_embeddings=False, **common)
-        target = Qwen3MoeForCausalLM(cfg)
-    target = target.to(device=device, dtype=dtype).eval()
+        cls, cfg = Qwen3MoeForCausalLM, Qwen3MoeConfig(intermediate_size=inter, moe_intermediate_size=inter,
+                                                       num_experts=m.experts, tie_word_embeddings=False, **common)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in place: a full-size fp32 copy on the host would not fit
+    try:
+        with torch.device(device):
+            target = cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
     d = m.draft
     dcfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=min(vocab, max(64, d.draft_vocab // r)), hidden_size=hidden,
                         intermediate_size=max(8, d.intermediate // r), num_attention_heads=heads,

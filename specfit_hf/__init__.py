@@ -16,18 +16,10 @@ def __getattr__(name: str):
         return fused_experts
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# Offloaded-expert runtime (stage 1).
-from .offload import EmulatedLink, OffloadRuntime, get_runtime, offload_experts  # noqa: E402
-
-# Selection (stage 3): cost model, exact subtree search, calibration.
-from .selection import CostModel, calibrate, select_subtree  # noqa: E402
-
-# EAGLE-3 draft model (stage 2).
+# The stages, re-exported: offload (1), EAGLE-3 draft (2), selection (3), and tree speculative
+# decoding inside generate (the loop).  Importing the generation package installs the
+# SpecFitConfig routing on GenerationMixin; every other config takes the stock path unchanged.
 from .eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter  # noqa: E402
-
-# Tree speculative decoding inside generate (stages 2-5 and the loop).  Importing it
-# installs the SpecFitConfig routing on GenerationMixin; every other config takes the
-# stock transformers path unchanged.
 from .generation import (  # noqa: E402
     CausalLMTreeDrafter,
     CycleRecord,
@@ -36,3 +28,25 @@ from .generation import (  # noqa: E402
     SpecFitConfig,
     SpecFitGenerateOutput,
 )
+from .offload import EmulatedLink, OffloadRuntime, get_runtime, offload_experts  # noqa: E402
+from .selection import CostModel, calibrate, select_subtree  # noqa: E402
+
+__all__ = [
+    "CausalLMTreeDrafter",
+    "CostModel",
+    "CycleRecord",
+    "Drafter",
+    "Eagle3Config",
+    "Eagle3DraftModel",
+    "Eagle3TreeDrafter",
+    "EmulatedLink",
+    "OffloadRuntime",
+    "SpecFitCache",
+    "SpecFitConfig",
+    "SpecFitGenerateOutput",
+    "calibrate",
+    "fused_experts",
+    "get_runtime",
+    "offload_experts",
+    "select_subtree",
+]

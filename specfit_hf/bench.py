@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import platform
+import re
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .generation import SpecFitConfig
 from .clock import clock
+from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
-from .selection import available_policies
+from .selection import available_policies, mape
 
 if TYPE_CHECKING:
     from .twin import Twin
@@ -95,12 +95,12 @@ class Variant:
     config: dict = field(default_factory=dict)
 
 
-EAGLE3_TREE = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
 
 # Static tree shapes: (max_depth, tree_top_k, max_verify_nodes).  Chains of depth 1-4, two
 # small trees and EAGLE-3's default tree.
 STATIC_FAMILY: tuple[tuple[int, int, int], ...] = (
-    (1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (3, 2, 4), (4, 3, 8), (7, 10, 60),
+    (1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (3, 2, 4), (4, 3, 8),
+    (EAGLE3_DEFAULTS["max_depth"], EAGLE3_DEFAULTS["tree_top_k"], EAGLE3_DEFAULTS["max_verify_nodes"]),
 )
 _STATIC_RE = re.compile(r"^static:d(\d+)k(\d+)n(\d+)$")
 
@@ -114,7 +114,9 @@ def static_variant(label: str) -> Variant:
     """The variant of a ``static:d<depth>k<top_k>n<nodes>`` label (the ``eagle3`` policy, fixed shape)."""
     m = _STATIC_RE.match(label)
     if m is None:
-        raise ValueError(f"bad static tree label {label!r}: expected static:d<depth>k<top_k>n<nodes>, e.g. static:d3k1n3")
+        raise ValueError(
+            f"bad static tree label {label!r}: expected static:d<depth>k<top_k>n<nodes>, e.g. static:d3k1n3"
+        )
     depth, top_k, nodes = (int(x) for x in m.groups())
     if min(depth, top_k, nodes) < 1:
         raise ValueError(f"static tree {label!r}: depth, top_k and nodes must all be >= 1")
@@ -136,17 +138,17 @@ def default_variants(
     """
     variants = [
         Variant("autoregressive", None),
-        Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=dict(EAGLE3_TREE)),
-        Variant("eagle3", "eagle3", config=dict(EAGLE3_TREE)),
+        Variant("eagle3-vanilla", "eagle3", persistent_cache=False, config=dict(EAGLE3_DEFAULTS)),
+        Variant("eagle3", "eagle3", config=dict(EAGLE3_DEFAULTS)),
     ]
     if best_n is not None:
-        variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(best_n)}))
+        variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_DEFAULTS, "max_verify_nodes": int(best_n)}))
     variants.extend(static_family())
     if static_best is not None:
         variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
-    variants.append(Variant("specfit", "specfit", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
+    variants.append(Variant("specfit", "specfit", config=dict(EAGLE3_DEFAULTS)))
     if include_oracle and "oracle" in available_policies():
-        variants.append(Variant("oracle", "oracle", config={"max_depth": 7, "tree_top_k": 10, "max_verify_nodes": 60}))
+        variants.append(Variant("oracle", "oracle", config=dict(EAGLE3_DEFAULTS)))
     return variants
 
 
@@ -227,7 +229,9 @@ class PromptRun:
 
 
 @torch.inference_mode()
-def measure_cached_step(target: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 16, repeats: int = 3) -> float:
+def measure_cached_step(
+    target: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 16, repeats: int = 3
+) -> float:
     """Median seconds per decode step of ``target`` with every expert resident.
 
     Call it before attaching the offload runtime (then every expert is on the device).
@@ -356,7 +360,8 @@ def _tune(
     """The key of ``candidates`` whose variant has the best decode tok/s on ``prompts_ids``."""
     scores: dict[Any, float] = {}
     for key, variant in tqdm(candidates.items(), desc=desc, leave=False, disable=len(candidates) < 3):
-        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i) for i, ids in enumerate(prompts_ids)]
+        runs = [run_variant(target, draft, ids, variant, max_new_tokens, prompt_index=i)
+                for i, ids in enumerate(prompts_ids)]
         scores[key] = _decode_tokens_per_second(runs)
     best = max(scores, key=lambda k: -math.inf if math.isnan(scores[k]) else scores[k])
     return best, scores
@@ -374,7 +379,7 @@ def tune_fixed_n(
     Use prompts disjoint from the evaluation prompts (the benchmark takes them from
     further down the same split).
     """
-    variants = {int(n): Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_TREE, "max_verify_nodes": int(n)})
+    variants = {int(n): Variant(f"eagle3-N{n}", "eagle3", config={**EAGLE3_DEFAULTS, "max_verify_nodes": int(n)})
                 for n in candidates}
     return _tune(target, draft, prompts_ids, max_new_tokens, variants, "tune eagle3 N")
 
@@ -395,15 +400,10 @@ def tune_static(
     return _tune(target, draft, prompts_ids, max_new_tokens, {v.label: v for v in family}, "tune static tree")
 
 
-def _mape(predicted: list[float], measured: list[float]) -> float:
-    pairs = [(p, m) for p, m in zip(predicted, measured) if not math.isnan(p) and m > 0]
-    if not pairs:
-        return float("nan")
-    return 100.0 * statistics.fmean(abs(p - m) / m for p, m in pairs)
-
-
 def summarize(
-    runs: list[PromptRun], reference: dict[int, list[int]], baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3", "static-best")
+    runs: list[PromptRun],
+    reference: dict[int, list[int]],
+    baselines: Sequence[str] = ("autoregressive", "eagle3-vanilla", "eagle3", "static-best"),
 ) -> dict[str, dict[str, Any]]:
     """Per-variant metrics of one cell; ``reference`` maps prompt index -> autoregressive tokens.
 
@@ -432,8 +432,9 @@ def summarize(
             "mean_accepted": statistics.fmean(len(r.new_tokens) / max(1, r.cycles) for r in vruns),
             "experts_loaded_per_token": sum(r.experts_loaded for r in vruns) / max(1, committed),
             "bytes_per_token": sum(r.bytes_h2d for r in vruns) / max(1, committed),
-            "cycle_time_mape_pct": _mape(
-                [p for r in vruns for p in r.predicted_cycle_seconds], [m for r in vruns for m in r.measured_cycle_seconds]
+            "cycle_time_mape_pct": mape(
+                [p for r in vruns for p in r.predicted_cycle_seconds],
+                [m for r in vruns for m in r.measured_cycle_seconds],
             ),
             "selection_overhead_share": (
                 sum(r.select_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
@@ -596,8 +597,12 @@ def run_benchmark(
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
         "emulated_link": emulated and twin is None,
-        "link_timing": "twin" if twin is not None else (("virtual" if virtual_link else "wait") if emulated else "real"),
-        "timeline": "modeled (device twin)" if twin is not None else ("emulated link, CPU compute" if emulated else "real"),
+        "link_timing": (
+            "twin" if twin is not None else (("virtual" if virtual_link else "wait") if emulated else "real")
+        ),
+        "timeline": (
+            "modeled (device twin)" if twin is not None else ("emulated link, CPU compute" if emulated else "real")
+        ),
         **({"twin": twin.meta()} if twin is not None else {}),
         "device": str(device),
         **host,

@@ -1,7 +1,9 @@
 """The ``specfit`` command line: ``generate``, ``bench``, ``report`` and ``calibrate``.
 
-All three default to the tiny model pair shipped in ``model_cards/`` and, on a host
-without CUDA, to an emulated PCIe link (see :mod:`specfit_hf.regimes`).
+``generate``, ``bench`` and ``calibrate`` default to the tiny model pair shipped with the
+package (:mod:`specfit_hf.embedded`) and, on a host without CUDA, to an emulated PCIe link
+(see :mod:`specfit_hf.regimes`) or a device twin (``--twin``, :mod:`specfit_hf.twin`);
+``report`` merges their results.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_offload_args(p: argparse.ArgumentParser, default_fraction: float = 0.5) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--offload-slots", type=int, default=None, help="device expert slots per MoE layer")
-    g.add_argument("--cache-fraction", type=float, default=None, help=f"slots as a fraction of experts (default {default_fraction})")
+    g.add_argument("--cache-fraction", type=float, default=None,
+                   help=f"slots as a fraction of experts (default {default_fraction})")
     p.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth in GB/s (CPU only)")
     p.add_argument("--link-latency-us", type=float, default=0.0, help="emulated link latency per transfer")
     p.add_argument(
@@ -49,18 +52,19 @@ def _add_link_timing_arg(p: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def _add_twin_arg(p: argparse.ArgumentParser) -> None:
+def _add_twin_arg(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument(
-        "--twin", default=None, metavar="MODEL@DEVICE-LINK[+graphs]",
+        "--twin", default=None, metavar="MODEL@DEVICE-LINK[+graphs]", nargs="+" if many else None,
         help="charge a device twin's MODELED GPU time for forwards and expert transfers instead of this CPU's "
-        "(specfit_hf.twin; e.g. qwen3-30b-a3b@rtx4090-pcie4); --link/--link-gbps are then ignored",
+        "(specfit_hf.twin; e.g. qwen3-30b-a3b@rtx4090-pcie4" + ("; several: one part each, merged" if many else "")
+        + "); --link/--link-gbps are then ignored",
     )
 
 
-def _check_twin(name: str | None) -> None:
-    if name is not None:
-        from .twin import get_twin
+def _check_twin(names: str | list[str] | None) -> None:
+    from .twin import get_twin
 
+    for name in [names] if isinstance(names, str) else names or []:
         try:
             get_twin(name)
         except KeyError as e:
@@ -83,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="side-by-side benchmark of decoding policies")
     _add_model_args(b)
-    b.add_argument("--prompts", default=None, help="jsonl with a `prompt` field or Spec-Bench rows (`turns`, `category`)")
+    b.add_argument("--prompts", default=None,
+                   help="jsonl with a `prompt` field or Spec-Bench rows (`turns`, `category`)")
     b.add_argument("--dataset", action="append", choices=["cnn_dailymail", "gsm8k"], default=None,
                    help="local dataset(s) from ../shared/data (repeatable; default both when --prompts is absent)")
     b.add_argument("--num-prompts", type=int, default=8, help="prompts per category")
@@ -102,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-source-chars", type=int, default=1500, help="shorten articles/questions to this many chars")
     b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
     _add_link_timing_arg(b, default="virtual")
-    _add_twin_arg(b)
+    _add_twin_arg(b, many=True)
 
     r = sub.add_parser("report", help="merge several bench results.json files into one report")
     r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
@@ -191,8 +196,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from .bench import measure_cached_step
-    from .generation import SpecFitConfig
     from .clock import clock
+    from .generation import SpecFitConfig
 
     _check_twin(args.twin)
     device = _device(args.device)
@@ -209,7 +214,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         timeline = TwinTimeline(args.twin, target, draft).attach()
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
-    config = SpecFitConfig(policy=args.policy, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **sampling)
+    config = SpecFitConfig(policy=args.policy, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                           **sampling)
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tok, skip_prompt=True)
     runtime.reset_stats()
@@ -235,7 +241,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import expand_policies, run_benchmark, write_report
+    from .bench import expand_policies, merge_results, run_benchmark, write_report
     from .data import load_prompts
 
     _check_twin(args.twin)
@@ -252,12 +258,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.prompts:
         prompts = {c: ps[: args.num_prompts] for c, ps in read_prompts_file(args.prompts).items()}
         if args.tune_prompts:
-            tune = {c: ps[args.num_prompts: args.num_prompts + args.tune_prompts] for c, ps in read_prompts_file(args.prompts).items()}
+            tune = {c: ps[args.num_prompts: args.num_prompts + args.tune_prompts]
+                    for c, ps in read_prompts_file(args.prompts).items()}
             tune = {c: ps for c, ps in tune.items() if ps}
     else:
         prompts = {}
         for ds in args.dataset or ["cnn_dailymail", "gsm8k"]:
-            rows = load_prompts(ds, "test", n=args.num_prompts + args.tune_prompts, max_source_chars=args.max_source_chars)
+            rows = load_prompts(ds, "test", n=args.num_prompts + args.tune_prompts,
+                                max_source_chars=args.max_source_chars)
             category = rows[0]["category"]
             prompts[category] = [r["prompt"] for r in rows[: args.num_prompts]]
             if args.tune_prompts:
@@ -266,20 +274,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for tuned in ("eagle3-best", "static-best"):
             if tuned in args.policies and not tune:
                 raise SystemExit(f"specfit: {tuned} needs --tune-prompts > 0")
-    results = run_benchmark(
-        target,
-        draft,
-        tok,
-        prompts,
-        cache_fractions=args.cache_fractions,
-        links=args.link,
-        policies=args.policies,
-        runs=args.runs,
-        max_new_tokens=args.max_new_tokens,
-        tune_prompts=tune or None,
-        virtual_link=args.link_timing == "virtual",
-        twin=args.twin,
-    )
+    parts = [
+        run_benchmark(
+            target,
+            draft,
+            tok,
+            prompts,
+            cache_fractions=args.cache_fractions,
+            links=args.link,
+            policies=args.policies,
+            runs=args.runs,
+            max_new_tokens=args.max_new_tokens,
+            tune_prompts=tune or None,
+            virtual_link=args.link_timing == "virtual",
+            twin=twin,
+        )
+        for twin in (args.twin or [None])
+    ]
+    results = parts[0] if len(parts) == 1 else merge_results(parts)
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())
     print("wrote", ", ".join(str(p) for p in paths.values()))

@@ -23,6 +23,11 @@ import torch
 __all__ = ["Rouge", "FinalAnswerAccuracy", "gsm8k_final_answer", "QualityReport", "quality_check"]
 
 
+def _text_pairs() -> datasets.Features:
+    """Features of a metric over (prediction, reference) strings."""
+    return datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")})
+
+
 class Rouge(evaluate.Metric):
     """ROUGE-1/2/L F-measure (``rouge_score``, Porter stemming), mean over examples."""
 
@@ -31,7 +36,7 @@ class Rouge(evaluate.Metric):
             description="ROUGE-1, ROUGE-2 and ROUGE-L F-measure via rouge_score",
             citation="Lin, 2004. ROUGE: A Package for Automatic Evaluation of Summaries.",
             inputs_description="predictions: list of str; references: list of str",
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=_text_pairs(),
         )
 
     def _compute(self, predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
@@ -68,7 +73,7 @@ class FinalAnswerAccuracy(evaluate.Metric):
             description="exact match of GSM8K final answers (number after ####, else last number)",
             citation="Cobbe et al., 2021. Training Verifiers to Solve Math Word Problems.",
             inputs_description="predictions: list of str; references: list of str",
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=_text_pairs(),
         )
 
     def _compute(self, predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:

@@ -214,7 +214,8 @@ def build_moe(arch: str, seed: int = 0, top_k: int = MOE_TOP_K) -> nn.Module:
                 tensor.normal_(0, 0.05)
             elif name.endswith("e_score_correction_bias"):
                 tensor.uniform_(0, 0.2)
-            elif name.endswith(("gate.weight", "router.weight")) and tensor.dim() == 2 and tensor.shape[0] == MOE_EXPERTS:
+            elif (name.endswith(("gate.weight", "router.weight")) and tensor.dim() == 2
+                  and tensor.shape[0] == MOE_EXPERTS):
                 tensor.normal_(0, 0.5)
     return model
 

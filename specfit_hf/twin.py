@@ -44,13 +44,12 @@ Every twin also exists as ``<name>+graphs`` with zero host overhead (a CUDA-grap
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from .clock import advance
+from .clock import advance, clock, offset
 from .offload import EmulatedLink, get_runtime
 
 __all__ = [
@@ -390,7 +389,7 @@ def get_twin(name: str | Twin) -> Twin:
 
 
 def effective_tokens(distinct: float, experts: int, top_k: int, tokens: int) -> float:
-    """Independently routed tokens that would touch ``distinct`` of ``experts`` (top ``top_k``), capped at ``tokens``."""
+    """Independently routed tokens that would touch ``distinct`` of ``experts`` (top ``top_k``), at most ``tokens``."""
     if distinct <= 0:
         return 0.0
     if distinct >= experts:
@@ -402,6 +401,11 @@ def effective_tokens(distinct: float, experts: int, top_k: int, tokens: int) -> 
 def distinct_experts(n_eff: float, experts: int, top_k: int) -> float:
     """Expected distinct experts of ``n_eff`` independently routed tokens (uniform routing)."""
     return experts * (1.0 - (1.0 - top_k / experts) ** n_eff)
+
+
+def _source_time() -> float:
+    """The clock's real-time source (``perf_counter``; frozen inside :func:`specfit_hf.clock.simulated`)."""
+    return clock() - offset()
 
 
 def _tokens_and_past(args: tuple, kwargs: dict) -> tuple[int, int]:
@@ -418,8 +422,9 @@ class TwinTimeline:
     """Charges a twin's modeled time for target/draft forwards and expert transfers on :func:`clock`.
 
     Attach with :meth:`attach` (or use as a context manager) after ``offload_experts`` so the
-    runtime's link can be replaced by the twin's.  Each hooked forward's real CPU time
-    (``time.perf_counter`` span minus the real copy time of transfers inside it) is replaced
+    runtime's link can be replaced by the twin's.  Each hooked forward's real CPU time (the
+    span of the clock's real-time source, minus the real copy time of transfers inside it;
+    zero inside :func:`specfit_hf.clock.simulated`) is replaced
     by its modeled time with :func:`specfit_hf.clock.advance`; transfers inside the forward
     keep their own (virtual link) advance.
 
@@ -479,7 +484,7 @@ class TwinTimeline:
 
     def _hook(self, module: torch.nn.Module, cost: Any) -> None:
         def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            self._stack.append((time.perf_counter(), self.copy_seconds))
+            self._stack.append((_source_time(), self.copy_seconds))
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             start, copies_before = self._stack.pop()
@@ -487,7 +492,7 @@ class TwinTimeline:
                 return
             kind, modeled = cost(args, kwargs, output)
             # the forward's CPU compute (and this hook's own arithmetic) is replaced; transfers keep their advance
-            real = time.perf_counter() - start - (self.copy_seconds - copies_before)
+            real = _source_time() - start - (self.copy_seconds - copies_before)
             self.events[kind][0] += 1
             self.events[kind][1] += modeled
             self.real_compute_seconds += real
@@ -532,9 +537,9 @@ class _MeteredLink(EmulatedLink):
         self.__post_init__()
 
     def copy(self, pairs: Any, nbytes: int) -> float:
-        start = time.perf_counter()
+        start = _source_time()
         seconds = super().copy(pairs, nbytes)
-        self.timeline.copy_seconds += time.perf_counter() - start
+        self.timeline.copy_seconds += _source_time() - start
         return seconds
 
     def __repr__(self) -> str:
@@ -548,7 +553,8 @@ def sanity_table(names: list[str] | None = None, context: int = 512) -> str:
     """Markdown: each twin's modeled plain decode tok/s (every expert resident) beside published figures."""
     names = names or [n for n in twin_names() if not n.endswith("+graphs")]
     lines = [
-        "| twin | modeled tok/s, eager host overhead | modeled tok/s, +graphs | +graphs step (roofline only) | published batch-1 (what it is) |",
+        "| twin | modeled tok/s, eager host overhead | modeled tok/s, +graphs | +graphs step (roofline only) "
+        "| published batch-1 (what it is) |",
         "|---|---|---|---|---|",
     ]
     for name in names:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from specfit_hf import EmulatedLink, offload_experts
-from specfit_hf.clock import advance, simulated
 from specfit_hf.cli import load_pair
+from specfit_hf.clock import advance, simulated
 from specfit_hf.data import load_prompts
 from specfit_hf.generation import SpecFitConfig
 from specfit_hf.selection import SpecFitPolicy, register_policy

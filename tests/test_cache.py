@@ -176,12 +176,12 @@ def test_generate_with_sliding_window_target_matches_generate(name):
         ids = torch.randint(0, VOCAB, (1, 6 + trial), generator=g)  # window 4 < prompt + 20 new tokens
         ref = target.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
         for draft_name, draft in drafts.items():
-            for settings in (dict(policy="eagle3", max_depth=4, tree_top_k=3, max_verify_nodes=8),
+            for tree_settings in (dict(policy="eagle3", max_depth=4, tree_top_k=3, max_verify_nodes=8),
                              dict(policy="specfit", max_depth=5, tree_top_k=3)):
                 cfg = SpecFitConfig(max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                    return_dict_in_generate=True, **settings)
+                                    return_dict_in_generate=True, **tree_settings)
                 out = target.generate(ids, assistant_model=draft, generation_config=cfg)
-                assert torch.equal(out.sequences, ref), (name, draft_name, settings, trial)
+                assert torch.equal(out.sequences, ref), (name, draft_name, tree_settings, trial)
                 assert isinstance(out.past_key_values, SpecFitCache)
                 accepted[draft_name] += sum(c.tokens_accepted for c in out.cycles)
     assert accepted["self"] >= 4 * 2 * 5  # paths past the window were accepted

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specfit_hf.eagle3 import DraftKVCache, Eagle3Config, Eagle3DraftModel, Eagle3TreeDrafter
-from specfit_hf.testing import HIDDEN, VOCAB, aligned_eagle3_draft, tiny_draft, tiny_draft_config, tiny_target
 from specfit_hf.features import capture_hidden_states
+from specfit_hf.testing import HIDDEN, VOCAB, aligned_eagle3_draft, tiny_draft, tiny_draft_config, tiny_target
 from specfit_hf.tree import DraftTree, VerifyResult
 
 
@@ -437,14 +437,21 @@ def test_tree_levels_match_linear_drafting_across_commits(target, variant):
 
 
 def _generate_case(target, draft, reference=None):
-    """(plain greedy reference, tree-speculative output, draft tokens accepted)."""
+    """(plain greedy reference, tree-speculative output, draft tokens accepted).
+
+    The speculative run is on ``clock.simulated()``: SpecFit's choices follow measured
+    times, and on a stopped clock they are the same on every machine (the cost model keeps
+    its defaults), so the acceptance floor below is not at the mercy of the host's load.
+    """
+    from specfit_hf.clock import simulated
     from specfit_hf.generation import SpecFitConfig
 
     prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7))
     ref = (reference or target).generate(prompt, max_new_tokens=24, do_sample=False)
     cfg = SpecFitConfig(max_new_tokens=24, do_sample=False, max_depth=3, tree_top_k=3, max_verify_nodes=8,
                         return_dict_in_generate=True)
-    out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
+    with simulated():
+        out = target.generate(prompt, assistant_model=draft, generation_config=cfg)
     return ref, out.sequences, sum(c.tokens_accepted for c in out.cycles)
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from specfit_hf.eagle3 import DraftKVCache, Eagle3DraftModel
-from specfit_hf.testing import VOCAB, tiny_draft, tiny_target
 from specfit_hf.eagle3.train import (
     TargetTeacher,
     TrainConfig,
@@ -20,6 +19,7 @@ from specfit_hf.eagle3.train import (
     train_eagle3,
     ttt_forward,
 )
+from specfit_hf.testing import VOCAB, tiny_draft, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -71,15 +71,15 @@ def test_greedy_matches_target_generate(targets, target_name):
     accepted_nodes = {name: 0 for name in drafts}
     for i, ids in enumerate(prompts(20, seed=1)):
         ref = target.generate(ids, do_sample=False, max_new_tokens=16)
-        for j, settings in enumerate(TREE_SETTINGS):
+        for j, tree_settings in enumerate(TREE_SETTINGS):
             # Rotate the drafts over prompts; the target-as-draft always runs the EAGLE-3 tree.
             draft_names = {list(drafts)[(i + j) % 3]}
-            if settings["max_depth"] == 7:
+            if tree_settings["max_depth"] == 7:
                 draft_names.add("self")
             for draft_name in sorted(draft_names):
-                cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, **settings)
+                cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, **tree_settings)
                 out = target.generate(ids, assistant_model=drafts[draft_name], generation_config=cfg)
-                assert torch.equal(out.sequences, ref), (target_name, draft_name, settings, i)
+                assert torch.equal(out.sequences, ref), (target_name, draft_name, tree_settings, i)
                 accepted_nodes[draft_name] += sum(c.tokens_accepted for c in out.cycles)
     # The self draft proposes the target's own greedy tokens: long paths get accepted.
     assert accepted_nodes["self"] > 5 * 20

@@ -21,8 +21,7 @@ from transformers import (
 
 from specfit_hf.generation import Drafter, SpecFitConfig, TreeCandidateGenerator, accept
 from specfit_hf.selection import get_policy
-from specfit_hf.tree import CycleContext
-from specfit_hf.tree import DraftTree
+from specfit_hf.tree import CycleContext, DraftTree
 
 from test_generation import noisy_copy, one_thread, tiny_llama  # noqa: F401  (one_thread is a fixture)
 

@@ -8,16 +8,14 @@ modules keep whatever copy (or none) they had, and nothing here leaks into their
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 import specfit_kernels  # noqa: F401
-from kernel_import import import_fresh_kernels
 from specfit_kernels import align_pairs_by_slot, fused_experts, fused_experts_reference
 from specfit_kernels.align import padded_capacity
 
+from kernel_import import import_fresh_kernels
 
 fm = import_fresh_kernels(interpret=True)
 assert fm.INTERPRETED, "the kernel copy under test must run in the Triton interpreter"

@@ -6,11 +6,11 @@ source also lowers for real GPUs (sm_80 and sm_90), which the interpreter never 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import specfit_kernels  # noqa: F401
+
 from kernel_import import import_fresh_kernels
 
 triton = pytest.importorskip("triton")

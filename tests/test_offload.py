@@ -24,8 +24,8 @@ from specfit_hf.offload import (
     offload_experts,
 )
 from specfit_hf.offload.pinning import PAGE_SIZE, pinned_bytes, pinning_plan
-from specfit_hf.testing import MOE_COMMON_KWARGS as _COMMON  # noqa: N811
 from specfit_hf.testing import MOE_ARCHS, MOE_EXPERTS, MOE_TOP_K, MOE_VOCAB, build_moe, moe_config
+from specfit_hf.testing import MOE_COMMON_KWARGS as _COMMON  # noqa: N811
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*")
 

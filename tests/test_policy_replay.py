@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+
 from policy_replay import TRACE, run_trace
 from test_generation import one_thread  # noqa: F401  (fixture)
 

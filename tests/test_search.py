@@ -278,12 +278,11 @@ def test_min_cut_path_alone_matches_brute_force(monkeypatch, inst):
     assert sel.throughput >= brute_force(*inst) * (1 - 1e-9)
 
 
-def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypatch):
+def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32():
     """A 42-node instance (found by a stress run) on which capacities near 2^31 overflowed
-    scipy's int32 flow arithmetic, and the 'infinite' edge child -> parent was cut."""
+    an int32 flow solver, which then cut the 'infinite' edge child -> parent.  The int64
+    cut keeps every tree edge and reaches the enumerated optimum."""
     from pathlib import Path
-
-    import specfit_hf.selection.mincut as mincut
 
     data = np.load(Path(__file__).parent / "data" / "search_int32_overflow.npz")
     inst = (data["sp"], data["path"], data["ne"], data["re"], data["cached"], CostModel(*data["cost"]))
@@ -292,9 +291,21 @@ def test_min_cut_keeps_tree_edges_on_an_instance_that_overflowed_int32(monkeypat
     mask = np.zeros(len(inst[0]), dtype=bool)
     mask[sel.nodes.numpy()] = True
     assert problem.is_closed(mask)
-    # a much coarser integer scale must reach the same optimum (the refinement is exact)
-    monkeypatch.setattr(mincut, "_INT_SCALE", float(2**16))
-    assert select_subtree(*inst).throughput == pytest.approx(sel.throughput, rel=1e-12)
+    masks = problem._closed_subsets(limit=1 << 20)
+    if masks is not None:  # the exact optimum by enumeration, when the instance allows it
+        assert sel.throughput == pytest.approx(problem.throughput(problem._enumerate(masks)), rel=1e-12)
+
+
+def test_min_cut_matches_a_hand_made_cut():
+    from specfit_hf.selection.mincut import min_cut
+
+    # s=0 -> a=1 (3), s -> b=2 (2), a -> t=3 (1), b -> t (5), a -> b (4); the source side and its cut:
+    # cuts: {s}: 3 + 2 = 5; {s, a}: 2 + 1 + 4 = 7; {s, b}: 3 + 5 = 8; {s, a, b}: 1 + 5 = 6 -> {s} with 5
+    rows, cols = np.array([0, 0, 1, 2, 1]), np.array([1, 2, 3, 3, 2])
+    caps = np.array([3.0, 2.0, 1.0, 5.0, 4.0])
+    assert min_cut(rows, cols, caps, 4, 0, 3).tolist() == [True, False, False, False]
+    caps = np.array([3.0, 2.0, 1.0, 5.0, 0.5])  # now {s, a}: 2 + 1 + 0.5 = 3.5 beats {s}: 5
+    assert min_cut(rows, cols, caps, 4, 0, 3).tolist() == [True, True, False, False]
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

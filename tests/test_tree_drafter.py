@@ -11,7 +11,6 @@ from specfit_hf.tree import DraftTree, VerifyResult
 
 from test_generation import VOCAB, one_thread, tiny_llama, tiny_qwen3_moe  # noqa: F401  (one_thread is a fixture)
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

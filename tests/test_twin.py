@@ -164,3 +164,26 @@ def test_twin_check_runs_reduced_on_cpu(capsys):
     assert "MAPE" in out and "fitted host overhead" in out
     assert set(mape) == {"target", "draft level", "H2D copy", "all"}
     assert all(v >= 0 for v in mape.values())  # reported, not asserted against a bound
+
+
+@torch.inference_mode()
+def test_timeline_is_exact_on_a_simulated_clock(pair):
+    from specfit_hf.clock import simulated
+
+    target, draft = pair
+    twin = get_twin(RTX4090 + "+graphs")
+    runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
+    try:
+        with TwinTimeline(twin, target, draft) as timeline, simulated():
+            ids = torch.randint(0, 96, (1, 5))
+            before, start = runtime.stats.total.misses, clock()
+            target(input_ids=ids)
+            span = clock() - start
+            loaded = runtime.stats.total.misses - before
+            modeled = timeline.events["target"][1]
+            assert loaded > 0
+            # real time stands still: the span is exactly the modeled forward plus the modeled transfers
+            assert span == pytest.approx(modeled + loaded * twin.miss_scale(runtime) * twin.expert_transfer_seconds(),
+                                         rel=1e-9)
+    finally:
+        runtime.detach()

@@ -15,8 +15,8 @@ Public API:
 
 from .align import AlignedPairs, align_pairs_by_slot
 from .api import fused_experts
-from .layout import ExpertLayout
 from .hf import EXPERTS_IMPLEMENTATION_NAME, register_experts_implementation, specfit_triton_experts_forward
+from .layout import ExpertLayout
 from .reference import fused_experts_reference
 
 register_experts_implementation()

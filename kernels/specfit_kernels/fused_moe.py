@@ -171,7 +171,7 @@ def _gate_up_act_kernel(
     num_pairs,
     top_k,
     H,
-    I,
+    I,  # noqa: E741  (intermediate size, as in the papers' notation)
     stride_xt,
     stride_xh,
     stride_ws,
@@ -265,7 +265,7 @@ def _down_kernel(
     block_slot_ptr,
     num_pairs,
     H,
-    I,
+    I,  # noqa: E741  (intermediate size)
     stride_ip,
     stride_in,
     stride_ws,
@@ -461,7 +461,8 @@ def fused_experts_triton(
     )  # fmt: skip
     grid = (num_tokens, triton.cdiv(hsz, cfg.block_reduce))
     _sum_choices_kernel[grid](
-        rows, out, slot_flat, shapes.num_slots, top_k, hsz, rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
+        rows, out, slot_flat, shapes.num_slots, top_k, hsz,
+        rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
         ROUND_BF16=upcast, BLOCK=cfg.block_reduce, num_warps=4,
     )  # fmt: skip
     return out

@@ -135,10 +135,12 @@ def main(argv: list[str] | None = None) -> None:
         ep = {"moe_layers": [i for i, _ in routers], "num_experts": int(routers[0][1].weight.shape[0]),
               "top_k": int(getattr(routers[0][1], "top_k", 1))}
     torch.manual_seed(0)
-    draft = Eagle3DraftModel(draft_config_for_target(target.config, a.draft_vocab, expert_predictor=ep)).to(device).eval()
+    draft_config = draft_config_for_target(target.config, a.draft_vocab, expert_predictor=ep)
+    draft = Eagle3DraftModel(draft_config).to(device).eval()
     draft.embeddings_from_target = True
     print(json.dumps({"device": str(device), "threads": torch.get_num_threads(),
-                      "draft_params_M": sum(p.numel() for n, p in draft.named_parameters() if not n.startswith("embed")) / 1e6,
+                      "draft_params_M": sum(p.numel() for n, p in draft.named_parameters()
+                                            if not n.startswith("embed")) / 1e6,
                       "target_hidden": target.config.hidden_size, "draft_vocab": draft.config.draft_vocab_size}))
     for k in a.top_k:
         print(json.dumps(bench_drafting(target, draft, k, a.depth, a.prompt_len, a.cycles)))

@@ -177,13 +177,16 @@ class Eagle3Config(PretrainedConfig):
         ``target_hidden_size`` and the top-level layer ids (HF indices) from the top level.
         """
         if raw.get("speculators_model_type") != "eagle3":
-            raise ValueError(f"not a speculators EAGLE-3 config: speculators_model_type={raw.get('speculators_model_type')!r}")
+            raise ValueError(
+                f"not a speculators EAGLE-3 config: speculators_model_type={raw.get('speculators_model_type')!r}"
+            )
         layer = dict(raw.get("transformer_layer_config") or {})
         if not layer:
             raise ValueError("speculators config lacks transformer_layer_config")
         if int(layer.get("num_hidden_layers", 1)) != 1:
             raise ValueError(
-                f"speculators drafts with {layer['num_hidden_layers']} decoder layers are not supported (EAGLE-3 has one)"
+                f"speculators drafts with {layer['num_hidden_layers']} decoder layers are not supported "
+                "(EAGLE-3 has one)"
             )
         if raw.get("norm_before_fc"):
             raise NotImplementedError("the `norm_before_fc` EAGLE-3 variant is not supported")
@@ -217,7 +220,8 @@ class Eagle3Config(PretrainedConfig):
     def _validate(self) -> None:
         if int(self.num_hidden_layers) != 1:
             raise ValueError(
-                f"EAGLE-3 drafts have exactly one decoder layer (`midlayer`); got num_hidden_layers={self.num_hidden_layers}"
+                "EAGLE-3 drafts have exactly one decoder layer (`midlayer`); "
+                f"got num_hidden_layers={self.num_hidden_layers}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
@@ -233,7 +237,9 @@ class Eagle3Config(PretrainedConfig):
                 f"eagle_config.aux_hidden_state_id_convention must be one of {AUX_ID_CONVENTIONS}, got {conv!r}"
             )
         if self.hidden_feedback not in HIDDEN_FEEDBACK:
-            raise ValueError(f"eagle_config.hidden_feedback must be one of {HIDDEN_FEEDBACK}, got {self.hidden_feedback!r}")
+            raise ValueError(
+                f"eagle_config.hidden_feedback must be one of {HIDDEN_FEEDBACK}, got {self.hidden_feedback!r}"
+            )
         ids = self.aux_hidden_state_layer_ids
         if ids is not None and len(ids) != 3:
             raise ValueError(f"EAGLE-3 uses three target hidden states, got layer ids {ids}")

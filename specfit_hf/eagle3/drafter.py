@@ -10,7 +10,8 @@ parent's draft hidden state and its own token.
 
 Cache policy
 ------------
-The draft cache (a one-layer :class:`~specfit_hf.generation.cache.SpecFitCache`) holds the committed prefix, computed from **target** features, then
+The draft cache (a one-layer :class:`~specfit_hf.generation.cache.SpecFitCache`) holds the
+committed prefix, computed from **target** features, then
 one slot per tree node (every node is run once, in creation order, so node ``n`` is slot
 ``stable + n``).  ``commit`` gathers the cache back to the committed prefix and queues
 the accepted path's target features; the next cycle's first level runs those pairs and
@@ -195,7 +196,8 @@ class Eagle3TreeDrafter(Drafter):
         positions = self._root_position + parent_depth + 1
         parent_hidden = self._root_hidden.expand(m, -1).clone()
         if has_parent.any():
-            parent_hidden[has_parent.to(parent_hidden.device)] = self._node_hidden[parents[has_parent].to(self._node_hidden.device)]
+            rows = parents[has_parent].to(self._node_hidden.device)
+            parent_hidden[has_parent.to(parent_hidden.device)] = self._node_hidden[rows]
         nxt, out = self._run(tokens, parent_hidden, positions, mask[None, None].to(self.device))
         vals, ids = self._top_children(out)
         self._node_top_vals = torch.cat([self._node_top_vals, vals.cpu()])

@@ -271,7 +271,8 @@ class Eagle3DraftModel(PreTrainedModel):
             missing = missing - {"d2t", "t2d"}
         if loaded._missing_required_keys:
             raise ValueError(
-                f"EAGLE-3 checkpoint {pretrained_model_name_or_path} lacks weights: {sorted(loaded._missing_required_keys)}"
+                f"EAGLE-3 checkpoint {pretrained_model_name_or_path} lacks weights: "
+                f"{sorted(loaded._missing_required_keys)}"
             )
         if missing & {"d2t", "t2d"} and loaded.config.draft_vocab_size != loaded.config.vocab_size:
             raise ValueError(
@@ -331,10 +332,13 @@ class Eagle3DraftModel(PreTrainedModel):
         weight = target.get_input_embeddings().weight
         if weight.shape[1] != self.config.hidden_size:
             raise ValueError(
-                f"the target's embeddings are {tuple(weight.shape)}, the draft expects hidden size {self.config.hidden_size}"
+                f"the target's embeddings are {tuple(weight.shape)}, "
+                f"the draft expects hidden size {self.config.hidden_size}"
             )
         if weight.shape[0] < self.config.vocab_size:
-            raise ValueError(f"the target has {weight.shape[0]} embeddings, the draft vocab_size is {self.config.vocab_size}")
+            raise ValueError(
+                f"the target has {weight.shape[0]} embeddings, the draft vocab_size is {self.config.vocab_size}"
+            )
         self.embed_tokens.weight = weight
         weight.requires_grad_(False)
 

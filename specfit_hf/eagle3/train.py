@@ -37,7 +37,6 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from ..features import capture_hidden_states, decoder_layers
@@ -470,6 +469,11 @@ def write_model_card(out_dir: str | os.PathLike, cfg: TrainConfig, summary: dict
         "---",
     ]
     ep = summary.get("expert_predictor")
+    accuracy = f"{summary['final_step_accuracy'][0]:.3f} / {summary['final_step_accuracy'][-1]:.3f}"
+    heads = "none" if not ep else (
+        f"{len(ep['moe_layers'])} layers, {ep['num_experts']} experts, top-{ep['top_k']}; "
+        f"recall {summary.get('final_expert_recall', float('nan')):.3f}"
+    )
     body = f"""
 # EAGLE-3 draft for `{base}`
 
@@ -486,9 +490,9 @@ loss `sum_j 0.8^j CE(target || draft)` over a {summary['draft_vocab_size']}-toke
 | training data | {', '.join(Path(p).name for p in cfg.data)} |
 | steps x batch x sequence | {summary['steps']} x {cfg.batch_size} x {cfg.seq_len} |
 | final token loss | {summary['final_token_loss']:.4f} |
-| step-0 / last-step top-1 agreement with the target | {summary['final_step_accuracy'][0]:.3f} / {summary['final_step_accuracy'][-1]:.3f} |
+| step-0 / last-step top-1 agreement with the target | {accuracy} |
 | training throughput | {summary['tokens_per_s']:.0f} tokens/s ({summary['threads']} CPU threads) |
-| expert-predictor heads | {'none' if not ep else f"{len(ep['moe_layers'])} layers, {ep['num_experts']} experts, top-{ep['top_k']}; recall {summary.get('final_expert_recall', float('nan')):.3f}"} |
+| expert-predictor heads | {heads} |
 
 ## Use
 
@@ -572,7 +576,8 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
             "consider explicit --layers (HF hidden_states indices)",
             stacklevel=2,
         )
-    teacher = TargetTeacher(target, feature_indices, draft.expert_moe_layers if draft.expert_heads is not None else None)
+    moe_layers = draft.expert_moe_layers if draft.expert_heads is not None else None
+    teacher = TargetTeacher(target, feature_indices, moe_layers)
 
     params = [p for n, p in draft.named_parameters() if p.requires_grad and not n.startswith("embed_tokens")]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -609,7 +614,8 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
     bar = tqdm(total=cfg.steps, initial=step, desc="eagle3", disable=not progress, dynamic_ncols=True)
     first_step = step
     while step < cfg.steps:
-        if time.perf_counter() - start > budget_s or (cfg.max_steps_per_run and step - first_step >= cfg.max_steps_per_run):
+        run_done = bool(cfg.max_steps_per_run) and step - first_step >= cfg.max_steps_per_run
+        if time.perf_counter() - start > budget_s or run_done:
             stopped_early = True
             break
         t0 = time.perf_counter()
@@ -636,7 +642,8 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
         if not math.isnan(last.expert_loss):
             record.update(expert_loss=last.expert_loss, expert_recall=last.expert_recall)
         history.append(record)
-        postfix = {"loss": f"{record['token_loss']:.3f}", "acc0": f"{record['acc0']:.2f}", "tok/s": f"{tokens_done / train_time:.0f}"}
+        postfix = {"loss": f"{record['token_loss']:.3f}", "acc0": f"{record['acc0']:.2f}",
+                   "tok/s": f"{tokens_done / train_time:.0f}"}
         if "expert_recall" in record:
             postfix["exp_rec"] = f"{record['expert_recall']:.2f}"
         bar.set_postfix(postfix)

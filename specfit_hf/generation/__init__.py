@@ -15,9 +15,9 @@ Modules, one per stage of the cycle:
   behaviour unchanged unless the config is a ``SpecFitConfig``)
 """
 
+from ..tree import CycleRecord
 from . import hf_integration
 from .cache import SpecFitCache, UnsupportedCacheLayerError
-from ..tree import CycleRecord
 from .candidates import TreeCandidateGenerator, TreeCandidates, make_drafter
 from .causal_lm_drafter import CausalLMTreeDrafter
 from .config import EAGLE3_DEFAULTS, SpecFitConfig

@@ -1,6 +1,7 @@
 """Stages 2-3 of the cycle: draft a tree and select the subtree to verify.
 
-:func:`make_drafter` picks the drafter of a draft model.  :class:`TreeCandidateGenerator` is a transformers ``CandidateGenerator`` whose candidates
+:func:`make_drafter` picks the drafter of a draft model.  :class:`TreeCandidateGenerator` is
+a transformers ``CandidateGenerator`` whose candidates
 are a *tree*: it alternates ``policy.select`` and ``drafter.draft_level`` until the
 policy says stop (or ``max_depth`` levels exist), then lays the selected nodes out as a
 verification block ``[root] + selected nodes`` (:class:`TreeCandidates`).
@@ -54,7 +55,8 @@ class TreeCandidates:
         depths: ``[1 + n]`` depth below the root (root: 0).
         path_probs: ``[1 + n]`` cumulative draft probability (root: 1).
         position_ids: ``[1, 1 + n]`` = root position (``prefix_len`` without padding) ``+ depths``.
-        attention_mask: ``[1, 1, 1 + n, prefix_len + 1 + n]`` additive float tree mask.
+        attention_mask: ``[1, 1, 1 + n, prefix_len + 1 + n]`` additive float tree mask, or
+            ``None`` for a root-only block that sees the whole prefix (a plain decode step).
         prefix_len: tokens in the target cache before the root.
         draft_seconds / select_seconds: time spent in the drafter / the policy.
     """
@@ -66,7 +68,7 @@ class TreeCandidates:
     depths: torch.LongTensor
     path_probs: torch.Tensor
     position_ids: torch.LongTensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     prefix_len: int
     draft_seconds: float = 0.0
     select_seconds: float = 0.0
@@ -108,12 +110,19 @@ def layout_candidates(
     device,
     mask_dtype: torch.dtype,
 ) -> TreeCandidates:
-    """Lay ``[root] + selection.nodes`` out as a verification block with its tree mask."""
+    """Lay ``[root] + selection.nodes`` out as a verification block with its tree mask.
+
+    A root-only block over an unpadded prefix gets no mask (``None``): it sees the whole
+    prefix, as a plain decode step does, so the target's own causal mask serves and a
+    plain step costs no more host time than in stock ``generate``.
+    """
     tokens, block_parents, depths, path_probs = _select_block(tree, selection.nodes)
-    mask = tree_attention_mask(
-        block_parents, prefix_len, dtype=mask_dtype, device=device, max_depth=int(depths.max()),
-        prefix_hidden=prefix_hidden,
-    )
+    mask = None
+    if len(selection) or prefix_hidden is not None:
+        mask = tree_attention_mask(
+            block_parents, prefix_len, dtype=mask_dtype, device=device, max_depth=int(depths.max()),
+            prefix_hidden=prefix_hidden,
+        )
     return TreeCandidates(
         tree=tree,
         selection=selection,

@@ -112,7 +112,8 @@ class _StopRule:
         self.criteria = stopping_criteria
         # MaxLength / eos are handled by truncation; others (stop strings, user criteria)
         # must see every prefix, so they are checked token by token.
-        self.per_token = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria))]
+        handled = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
+        self.per_token = [c for c in stopping_criteria if not isinstance(c, handled)]
 
     def truncate(self, sequence: torch.LongTensor, new_tokens: list[int]) -> tuple[list[int], bool]:
         """Tokens to append and whether generation ends after them."""

@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 __all__ = ["ancestor_matrix", "grow_ancestors", "tree_attention_mask", "visibility_to_mask", "block_depths",
-           "model_tree_masks"]
+           "model_tree_masks", "has_sliding_layers"]
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
@@ -120,6 +120,11 @@ def _attention_layer_kinds(config) -> tuple[bool, bool, int | None]:
     if len(windows) > 1:
         raise ValueError(f"sliding-window layers with different windows {sorted(windows)} are not supported")
     return "full_attention" in layer_types, bool(windows), (windows.pop() if windows else None)
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether the model of ``config`` has sliding-window attention layers."""
+    return _attention_layer_kinds(config)[1]
 
 
 def model_tree_masks(

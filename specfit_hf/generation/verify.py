@@ -28,7 +28,7 @@ from transformers import LogitsProcessorList
 
 from ..tree import VerifyResult
 from .candidates import TreeCandidates
-from .tree_mask import model_tree_masks
+from .tree_mask import has_sliding_layers, model_tree_masks, tree_attention_mask
 
 __all__ = ["verify_forward", "accept", "AcceptOutput"]
 
@@ -45,10 +45,16 @@ def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
         raise RuntimeError(
             f"target cache holds {cache.get_seq_length()} tokens, the tree expects {candidates.prefix_len}"
         )
+    mask = candidates.attention_mask
+    if mask is None and has_sliding_layers(target.config):
+        # a plain step still gets the window explicitly (cut to what the sliding layers hold)
+        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+        mask = tree_attention_mask(candidates.block_parents, candidates.prefix_len, dtype=dtype,
+                                   device=candidates.input_ids.device)
     out = target(
         input_ids=candidates.input_ids,
-        attention_mask=model_tree_masks(
-            target.config, candidates.attention_mask, candidates.prefix_len + candidates.depths,
+        attention_mask=None if mask is None else model_tree_masks(
+            target.config, mask, candidates.prefix_len + candidates.depths,
             sliding_offset=getattr(cache, "sliding_offset", 0),
         ),
         position_ids=candidates.position_ids,
@@ -101,7 +107,6 @@ def accept(
     tokens = candidates.input_ids[0].tolist()
     block_parents = candidates.block_parents.tolist()
     children = _children_lists(block_parents)
-    device = logits.device
     has_processors = logits_processor is not None and len(logits_processor) > 0
 
     # Greedy without processors: one argmax over all rows, one host transfer.

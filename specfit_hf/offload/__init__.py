@@ -9,9 +9,9 @@ On a CPU-only machine ``EmulatedLink(gbps, latency_us)`` emulates a PCIe link's 
 time anything that may contain emulated transfers with ``clock()``.
 """
 
+from ..clock import clock
 from .adapters import SUPPORTED_MODEL_TYPES, MoEAdapter
 from .cache import POLICIES, ExpertCache
-from ..clock import clock
 from .link import EmulatedLink
 from .runtime import OffloadRuntime, get_runtime, offload_experts
 from .stats import OffloadStats, TransferStats

@@ -508,7 +508,8 @@ def _model_device(model: nn.Module) -> torch.device:
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     if len(devices) != 1:
         raise ValueError(
-            f"offload_experts needs a model loaded on one device (no device_map dispatch); found {sorted(map(str, devices))}"
+            "offload_experts needs a model loaded on one device (no device_map dispatch); "
+            f"found {sorted(map(str, devices))}"
         )
     (device,) = devices
     if device.type == "meta":
@@ -529,7 +530,8 @@ def quantized_expert_format(experts: nn.Module, config=None) -> Optional[str]:
     checkpoints: ``*_scale_inv`` block scales per expert), MXFP4 (``Mxfp4GptOssExperts``,
     gpt-oss: packed ``uint8`` blocks with ``*_scales``), and any ``config.quantization_config``.
     """
-    names = {n for n, _ in experts.named_parameters(recurse=False)} | {n for n, _ in experts.named_buffers(recurse=False)}
+    names = {n for n, _ in experts.named_parameters(recurse=False)}
+    names |= {n for n, _ in experts.named_buffers(recurse=False)}
     dtypes = {t.dtype for t in list(experts.parameters(recurse=False)) + list(experts.buffers(recurse=False))}
     kind = type(experts).__name__.lower()
     if "fp8" in kind or any(n.endswith("_scale_inv") for n in names) or dtypes & _FLOAT8:
@@ -611,8 +613,8 @@ def offload_experts(
 
     Returns the ``OffloadRuntime`` (also ``get_runtime(model)``); ``runtime.detach()`` undoes
     everything.  ``model.state_dict()`` / ``save_pretrained`` keep giving the full expert
-    weights (from host memory), never the slot cache.  Raises ``ValueError`` for unsupported models or bad arguments, before
-    anything is changed.
+    weights (from host memory), never the slot cache.  Raises ``ValueError`` for unsupported
+    models or bad arguments, before anything is changed.
     """
     # ---- validate everything first: nothing is touched until all checks pass
     adapter = adapter_for(model)

@@ -17,6 +17,7 @@ from .forecast import ExpertForecast
 from .gate import DraftingGate
 from .lookahead import LookAhead
 from .options import SpecFitOptions
+from .oracle import OraclePolicy
 from .policy import (
     AutoregressivePolicy,
     Eagle3Policy,
@@ -27,10 +28,9 @@ from .policy import (
     register_policy,
     validate_policy,
 )
+from .quality import MeasuredSpecFitPolicy, UnionQuality
 from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
 from .specfit import SpecFitPolicy
-from .oracle import OraclePolicy
-from .quality import MeasuredSpecFitPolicy, UnionQuality
 
 __all__ = [
     "AcceptanceCalibrator",

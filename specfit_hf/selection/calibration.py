@@ -12,7 +12,6 @@ the calibrated model so a few noisy cycles cannot swing it.
 from __future__ import annotations
 
 import copy
-import time
 from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 

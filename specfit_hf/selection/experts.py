@@ -205,7 +205,8 @@ class DraftHeadPredictor(ExpertPredictor):
 
     @staticmethod
     def supported(draft: Any) -> bool:
-        return draft is not None and getattr(draft, "expert_heads", None) is not None and hasattr(draft, "predict_experts")
+        return (draft is not None and getattr(draft, "expert_heads", None) is not None
+                and hasattr(draft, "predict_experts"))
 
     def available(self, tree: DraftTree) -> bool:
         return tree.hidden is not None and bool((self._head_of >= 0).any())

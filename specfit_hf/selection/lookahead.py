@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-
 import torch
 
 from ..tree import DraftTree, Selection

@@ -35,7 +35,9 @@ class OraclePolicy(SpecFitPolicy):
         if tree.num_levels < self.max_depth:
             return Selection(nodes=torch.empty(0, dtype=torch.long), stop=False)  # it looks at the full tree
         if ctx.oracle_probe is None:
-            raise ValueError("the 'oracle' policy needs ctx.oracle_probe (tree -> OracleProbe) from the generation loop")
+            raise ValueError(
+                "the 'oracle' policy needs ctx.oracle_probe (tree -> OracleProbe) from the generation loop"
+            )
         probe = ctx.oracle_probe(tree)
         target = torch.as_tensor(probe.target_tokens).reshape(-1).cpu().numpy()
         if target.size != len(tree) + 1:

@@ -27,9 +27,9 @@ Method (Dinkelbach on the ratio, each step a maximum-weight closure):
   closure from above).  If the bound cannot beat the incumbent, it is optimal; if the
   DP's set beats it, that is the next Dinkelbach step.  A few rounds move each item's
   cost toward the users the relaxation wants; most calls end here without a min cut.
-* The cut itself is :func:`~specfit_hf.selection.mincut.min_cut_rounds` (float
-  capacities on scipy's integral max-flow, refined until exact to ~1e-12).  The returned
-  figures are always evaluated exactly from the chosen set.
+* The cut itself is :func:`~specfit_hf.selection.mincut.min_cut` (OR-Tools' int64
+  max-flow on capacities scaled to 2^52).  The returned figures are always evaluated
+  exactly from the chosen set.
 
 Without expert information (``node_experts is None``) the closure is a tree and a
 linear-time dynamic program solves it exactly.  A tree with at most 2048 ancestor-closed
@@ -47,12 +47,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from scipy.sparse.csgraph import breadth_first_order
 
 from ..tree import Selection
-from .mincut import min_cut_rounds
+from .mincut import min_cut
 
-__all__ = ["CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance"]
+__all__ = [
+    "CostModel", "select_subtree", "evaluate_subtree", "useful_nodes", "SearchProblem", "closed_part", "save_instance",
+]
 
 _MAX_DINKELBACH_STEPS = 100
 _ENUMERATE_SETS = 2048  # up to this many closed subsets, scoring them all beats building a flow network
@@ -370,11 +371,8 @@ class SearchProblem:
             pull = np.where(relaxed_set[m_node], 1.0, 1e-3)
             total_pull = np.bincount(m_group, weights=pull, minlength=num_groups)
             share = np.where(free, 0.5 * share + 0.5 * g_cost_m * pull / total_pull[m_group], share)
-        for selected in self._cut_closures(w, alive, m_node, m_group, g_cost):
-            better = self._if_better(selected, lam)
-            if better is not None:
-                return better
-        return None
+        selected = self._cut_closure(w, alive, m_node, m_group, g_cost)
+        return None if selected is None else self._if_better(selected, lam)
 
     def _if_better(self, selected: np.ndarray, lam: float) -> np.ndarray | None:
         if selected.any() and self.throughput(selected) > lam:
@@ -398,13 +396,10 @@ class SearchProblem:
             selected[idx] = (dp[idx] > 0) & selected[self.parents[idx]]
         return float(np.maximum(dp[top], 0.0).sum()), selected
 
-    def _cut_closures(
+    def _cut_closure(
         self, w: np.ndarray, alive: np.ndarray, m_node: np.ndarray, m_group: np.ndarray, g_cost_all: np.ndarray
-    ):
-        """Maximum-weight closure by a minimum s-t cut, yielded once per refinement round.
-
-        The last set yielded is a maximum closure to ~1e-12 (see the module docstring).
-        """
+    ) -> np.ndarray | None:
+        """Maximum-weight closure by a minimum s-t cut (``None``: the empty closure is optimal)."""
         nodes = np.nonzero(alive)[0]
         local = np.full(self.n, -1, dtype=np.int64)
         local[nodes] = np.arange(nodes.size)
@@ -417,11 +412,9 @@ class SearchProblem:
         g_cost = g_cost_all[groups]
         total = float(pos.sum())
         if total <= 0:  # folding made every weight non-positive: the empty closure is optimal
-            return
+            return None
         if float(neg.sum() + g_cost.sum()) <= 0:  # nothing costs anything: take every alive node
-            yield alive.copy()
-            return
-        bound = min(total, float(neg.sum() + g_cost.sum()))  # >= the max-flow value
+            return alive.copy()
         inf = 4.0 * total + 1.0  # never saturated: no edge carries more than the total flow
         par = self.parents[nodes]
         tree_from = np.nonzero(par >= 0)[0]
@@ -435,10 +428,10 @@ class SearchProblem:
         caps = np.concatenate(
             [np.full(tree_from.size + m_node.size, inf), pos[has_pos], neg[has_neg], g_cost[has_cost]]
         )
-        for side in min_cut_rounds(rows, cols, caps, nn + ng + 2, src, sink, bound):
-            selected = np.zeros(self.n, dtype=bool)
-            selected[nodes[side[:nn]]] = True
-            yield selected
+        side = min_cut(rows, cols, caps, nn + ng + 2, src, sink)
+        selected = np.zeros(self.n, dtype=bool)
+        selected[nodes[side[:nn]]] = True
+        return selected
 
     def _closed_subsets(self, limit: int | None = None) -> np.ndarray | None:
         """Every ancestor-closed subset as a ``[count, n]`` bool array, or ``None`` past ``limit`` of them
