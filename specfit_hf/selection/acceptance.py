@@ -58,6 +58,7 @@ class AcceptanceCalibrator:
         self.accepted = np.zeros((self.groups, self.num_bins))
         self.trials = np.zeros((self.groups, self.num_bins))
         self._table = np.tile(centres, (self.groups, 1))
+        self._shift = np.zeros(self.groups)  # last fitted logit shift per group (Newton's warm start)
 
     def _bins(self, draft_probs: np.ndarray) -> np.ndarray:
         return np.clip((draft_probs * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
@@ -113,7 +114,7 @@ class AcceptanceCalibrator:
         out = np.empty((self.groups, self.num_bins))
         for g in range(self.groups):
             n, a = self.trials[g], self.accepted[g]
-            b = 0.0
+            b = float(self._shift[g])  # warm start: the shift moves little per update
             for _ in range(25):  # Newton on a concave 1-D objective
                 s = 1.0 / (1.0 + np.exp(-(logit + b)))
                 grad = float(np.sum(a - n * s)) - b
@@ -122,6 +123,7 @@ class AcceptanceCalibrator:
                 b += float(np.clip(step, -2.0, 2.0))
                 if abs(step) < 1e-8:
                     break
+            self._shift[g] = b
             out[g] = 1.0 / (1.0 + np.exp(-(logit + b)))
         return out
 

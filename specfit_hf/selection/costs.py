@@ -63,6 +63,7 @@ class CycleCostTracker:
         self.measured: list[float] = []
         self.online = online
         self._miss_sums = (0.0, 0.0)  # decayed (measured loads, predicted misses) of verified sets
+        self._models: dict[tuple[int, int], CostModel] = {}
 
     @property
     def model(self) -> CostModel:
@@ -82,12 +83,18 @@ class CycleCostTracker:
 
     def cycle_model(self, levels: int, nodes: int) -> CostModel:
         """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``)."""
-        c = self.model
-        return CostModel(c.t0 + self.draft.predict(levels, nodes), c.t_token, c.t_expert * self.miss_scale)
+        key = (levels, nodes)
+        model = self._models.get(key)
+        if model is None:  # a select asks for the same few models many times; they change only in observe
+            c = self.model
+            model = CostModel(c.t0 + self.draft.predict(levels, nodes), c.t_token, c.t_expert * self.miss_scale)
+            self._models[key] = model
+        return model
 
     def observe(self, tree: DraftTree, selection: Selection, record: CycleRecord,
                 predicted_misses: int | None) -> None:
         """Learn from a measured cycle; ``predicted_misses``: the forecast's misses of root + selection."""
+        self._models.clear()
         seconds, draft_s, select_s = record.cycle_seconds, record.draft_seconds, record.select_seconds
         if predicted_misses is not None and record.experts_loaded is not None:
             loaded, predicted = self._miss_sums

@@ -57,6 +57,7 @@ __all__ = [
 
 _MAX_DINKELBACH_STEPS = 100
 _ENUMERATE_SETS = 2048  # up to this many closed subsets, scoring them all beats building a flow network
+_SMALL_TREE = 12  # up to this many nodes, select_subtree scores the closed subsets without a SearchProblem
 _SPLIT_ROUNDS = 4  # cost-split relaxations tried before a min cut
 
 
@@ -536,6 +537,9 @@ def select_subtree(
         and ``throughput`` (tokens / second).  The throughput is the maximum over all
         ancestor-closed subsets (up to ~1e-12 relative).
     """
+    small = _select_small(parents, path_prob, node_experts, root_experts, cached, cost)
+    if small is not None:
+        return small
     problem = SearchProblem(parents, path_prob, node_experts, root_experts, cached, cost)
     warm = None
     if warm_start is not None:
@@ -546,6 +550,61 @@ def select_subtree(
         warm[idx] = True
     selected = problem.solve(warm)
     return _selection(problem, selected)
+
+
+def _select_small(parents: Any, path_prob: Any, node_experts: Any | None, root_experts: Any | None,
+                  cached: Any | None, cost: CostModel) -> Selection | None:
+    """:func:`select_subtree` for the small trees most cycles draft, or ``None`` to take the general path.
+
+    Same optimum (every closed subset scored), without the preprocessing the min-cut
+    path needs: at a few nodes per level the search runs after every draft level, and
+    its host time is part of the cycle it optimises.
+    """
+    if not isinstance(parents, np.ndarray) or not isinstance(path_prob, np.ndarray) or parents.size > _SMALL_TREE:
+        return None
+    n = parents.size
+    if not isinstance(cost, CostModel) or path_prob.shape != (n,) or n == 0:
+        return None
+    if parents.min() < -1 or (parents >= np.arange(n)).any() or not np.isfinite(path_prob).all() or path_prob.min() < 0:
+        return None  # let SearchProblem explain what is wrong
+    if node_experts is not None:
+        arrays = (node_experts, root_experts, cached)
+        if not all(isinstance(a, np.ndarray) for a in arrays):
+            return None
+        if node_experts.ndim != 3 or root_experts.ndim != 2:
+            return None
+        layers = cached.shape[0] if cached.ndim == 2 else -1
+        if node_experts.shape[:2] != (n, layers) or root_experts.shape[0] != layers:
+            return None
+        if max(node_experts.max(initial=-1), root_experts.max(initial=-1)) >= cached.shape[1]:
+            return None
+    bits = [0]
+    for v in range(n):
+        par = int(parents[v])
+        bits += [b | (1 << v) for b in bits if par < 0 or (b >> par) & 1]
+    masks = (np.array(bits, dtype=np.int64)[:, None] >> np.arange(n)) & 1
+    missing = np.zeros(len(bits))
+    if node_experts is not None:
+        cached = np.asarray(cached, dtype=bool)
+        num_experts = cached.shape[1]
+        off = np.arange(cached.shape[0])[:, None] * num_experts
+        costly = ~cached.reshape(-1)
+        root = (root_experts + off)[root_experts >= 0]
+        root_missing = int(costly[np.unique(root)].sum())
+        costly[root] = False
+        ids = np.where(node_experts >= 0, node_experts + off[None], -1).reshape(n, -1)
+        items, column = np.unique(ids[(ids >= 0) & costly[np.maximum(ids, 0)]], return_inverse=True)
+        usage = np.zeros((n, items.size))
+        rows = np.repeat(np.arange(n), ((ids >= 0) & costly[np.maximum(ids, 0)]).sum(axis=1))
+        usage[rows, column] = 1.0
+        missing = root_missing + np.count_nonzero(masks @ usage, axis=1)
+    else:
+        root_missing = 0
+    e = 1.0 + masks @ path_prob
+    t = cost.t0 + cost.t_token * (masks.sum(axis=1) + 1) + cost.t_expert * missing
+    best = int(np.argmax(e / t))
+    return Selection(nodes=torch.from_numpy(np.nonzero(masks[best])[0].astype(np.int64)),
+                     expected_tokens=float(e[best]), predicted_time=float(t[best]), throughput=float(e[best] / t[best]))
 
 
 def evaluate_subtree(
