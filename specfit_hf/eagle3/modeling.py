@@ -462,7 +462,13 @@ class Eagle3DraftModel(PreTrainedModel):
         if self.expert_heads is None:
             raise ValueError("this draft has no expert predictor (config.expert_predictor is None)")
         hidden = hidden.to(self.fc.weight.dtype)
-        return torch.stack([head(hidden) for head in self.expert_heads], dim=-2)
+        heads = self.expert_heads
+        if self.training or len(heads) == 1:
+            return torch.stack([head(hidden) for head in heads], dim=-2)
+        # inference runs after every draft level: one matmul over the stacked heads
+        weight = torch.cat([h.weight for h in heads])
+        bias = None if heads[0].bias is None else torch.cat([h.bias for h in heads])
+        return F.linear(hidden, weight, bias).unflatten(-1, (len(heads), -1))
 
     @torch.no_grad()
     def predict_experts(self, hidden: torch.Tensor, top_k: int | None = None) -> torch.LongTensor:

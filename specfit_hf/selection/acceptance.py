@@ -128,14 +128,22 @@ class AcceptanceCalibrator:
         return out
 
     @property
+    def table(self) -> np.ndarray:
+        """``[groups, bins]`` the current map (a new array after every :meth:`update`)."""
+        return self._table
+
+    @property
     def observations(self) -> int:
         return int(round(self.trials.sum()))
 
 
 def sibling_ranks(tree: DraftTree) -> np.ndarray:
     """``[N]`` each node's rank among its siblings by draft probability (0 = most confident; ties by index)."""
-    parents = tree.parents.numpy()
-    probs = tree.draft_probs.numpy()
+    return _ranks(tree.parents.numpy(), tree.draft_probs.numpy())
+
+
+def _ranks(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """Rank of each node among the nodes with the same parent, by ``probs`` descending (ties by index)."""
     order = np.lexsort((np.arange(parents.size), -probs, parents))  # by parent, then prob desc
     ranks = np.empty(parents.size, dtype=np.int64)
     sorted_parents = parents[order]
@@ -227,6 +235,7 @@ class AcceptanceModel:
     calibrator: AcceptanceCalibrator
     rank_accepted: np.ndarray = field(default_factory=lambda: _rank_prior()[0])
     rank_trials: np.ndarray = field(default_factory=lambda: _rank_prior()[1])
+    _path_cache: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def for_draft(cls, draft: object, settings: dict, share: bool) -> AcceptanceModel:
@@ -249,8 +258,30 @@ class AcceptanceModel:
         return float(self.rank_accepted[0] / self.rank_trials[0])
 
     def path(self, tree: DraftTree) -> np.ndarray:
-        """``[N]`` estimated probability that the whole path root -> v is accepted."""
-        return path_acceptance(tree, self.calibrator(tree.draft_probs, tree.depths, sibling_ranks(tree)))
+        """``[N]`` estimated probability that the whole path root -> v is accepted.
+
+        Called after every draft level: while the calibrator's table is unchanged, the nodes
+        of earlier levels keep their values and only the new level is computed.
+        """
+        table = self.calibrator.table
+        cached = self._path_cache
+        if cached is None or cached[0] is not tree or cached[1].size > len(tree) or cached[2] is not table:
+            cached = (tree, np.zeros(0), table)
+        done = cached[1]
+        if done.size == len(tree):
+            return done
+        parents = tree.parents.numpy()
+        new = np.arange(done.size, len(tree))
+        # a new node's siblings are new too (a level adds whole sibling groups), so ranks are local
+        ranks = _ranks(parents[new], tree.draft_probs.numpy()[new])
+        node = self.calibrator(tree.draft_probs[done.size:], tree.depths[done.size:], ranks)
+        out = np.concatenate([done, np.asarray(node, dtype=np.float64)])
+        for v in new:  # parents precede children
+            par = parents[v]
+            if par >= 0:
+                out[v] *= out[par]
+        self._path_cache = (tree, out, table)
+        return out
 
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, greedy: bool) -> None:
         """Learn from a verified cycle (greedy: unverified nodes count too, see :func:`acceptance_outcomes`)."""

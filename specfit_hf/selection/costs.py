@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
 from .calibration import OnlineCostModel, mape
@@ -64,6 +62,7 @@ class CycleCostTracker:
         self.online = online
         self._miss_sums = (0.0, 0.0)  # decayed (measured loads, predicted misses) of verified sets
         self._models: dict[tuple[int, int], CostModel] = {}
+        self._base: tuple[CostModel, float] | None = None  # (verification model, miss scale) the cache is built on
 
     @property
     def model(self) -> CostModel:
@@ -79,15 +78,17 @@ class CycleCostTracker:
     def miss_scale(self) -> float:
         """Measured expert loads per predicted miss of the verified sets (1 before data)."""
         loaded, predicted = self._miss_sums
-        return float(np.clip((loaded + _MISS_PRIOR) / (predicted + _MISS_PRIOR), 0.25, 4.0))
+        return min(max((loaded + _MISS_PRIOR) / (predicted + _MISS_PRIOR), 0.25), 4.0)
 
     def cycle_model(self, levels: int, nodes: int) -> CostModel:
         """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``)."""
         key = (levels, nodes)
         model = self._models.get(key)
         if model is None:  # a select asks for the same few models many times; they change only in observe
-            c = self.model
-            model = CostModel(c.t0 + self.draft.predict(levels, nodes), c.t_token, c.t_expert * self.miss_scale)
+            if not self._models:
+                self._base = (self.model, self.miss_scale)
+            c, scale = self._base
+            model = CostModel(c.t0 + self.draft.predict(levels, nodes), c.t_token, c.t_expert * scale)
             self._models[key] = model
         return model
 
