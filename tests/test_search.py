@@ -321,3 +321,28 @@ def test_enumeration_matches_dinkelbach(inst):
     dinkelbach = problem.solve()  # the autouse fixture turned enumeration off
     assert problem.throughput(enumerated) == pytest.approx(problem.throughput(dinkelbach), rel=1e-12)
     assert problem.throughput(enumerated) >= brute_force(*inst) * (1 - 1e-12)
+
+
+@settings(derandomize=True, max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.data())
+def test_chain_path_matches_the_general_search(inst, data):
+    """On a chain, prefix misses + select_chain reach the general search's optimum."""
+    from specfit_hf.selection.forecast import MissingCounter, _ChainMisses
+
+    _, path, node_experts, root_experts, cached, cost = inst
+    n = path.size
+    if n == 0:
+        return
+    parents = np.arange(n) - 1  # each node the child of the one before
+    path = np.minimum.accumulate(path)  # path acceptance only falls along a chain
+    chain = _ChainMisses(root_experts, cached)
+    missing = chain.extend(node_experts[: n // 2])  # extended level by level, as the policy does
+    missing = chain.extend(node_experts)
+    counter = MissingCounter((node_experts, root_experts), cached)
+    for k in range(n + 1):
+        assert missing[k] == counter.count(np.arange(n) < k)
+    candidates = data.draw(st.integers(0, n))
+    sel = search.select_chain(path, missing, cost, candidates)
+    ref = select_subtree(parents[:candidates], path[:candidates], node_experts[:candidates], root_experts, cached, cost)
+    assert sel.throughput == pytest.approx(ref.throughput, rel=1e-9)
+    assert sel.nodes.tolist() == list(range(len(sel)))

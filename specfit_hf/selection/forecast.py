@@ -29,6 +29,7 @@ class _TreePredictions:
         self.nodes = np.zeros((0, *root.shape), dtype=np.int64)
         self.done = np.zeros(0, dtype=bool)  # which node rows hold predictions
         self.root_missing: int | None = None
+        self.chain: _ChainMisses | None = None  # prefix misses while the tree is a chain
 
 
 class ExpertForecast:
@@ -92,6 +93,20 @@ class ExpertForecast:
             return 0  # no guess: skip reading the residents
         return root_missing(root, self.experts.resident())
 
+    def chain_missing(self, tree: DraftTree) -> np.ndarray | None:
+        """``[1 + N]`` predicted misses of the root plus each prefix of ``tree``, a chain.
+
+        What :class:`MissingCounter` counts for each prefix, extended by the new nodes only,
+        level by level.  ``None`` without a forecast.
+        """
+        experts = self.nodes(tree, np.arange(len(tree)))
+        if experts is None:
+            return None
+        pred = self.current
+        if pred.chain is None:
+            pred.chain = _ChainMisses(pred.root, pred.cached)
+        return pred.chain.extend(pred.nodes)
+
     def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:
         """Predicted misses of verifying the root and ``selection`` (``None`` if not predicted for this tree)."""
         pred = self.current
@@ -152,3 +167,23 @@ class MissingCounter:
         ids = self.ids[mask].reshape(-1)
         ids = np.unique(ids[ids >= 0])
         return self.root_missing + int(self.costly[ids].sum())
+
+
+class _ChainMisses:
+    """Prefix misses of a chain, extended node by node (each adds the costly experts no one before it brought)."""
+
+    def __init__(self, root: np.ndarray, cached: np.ndarray) -> None:
+        self.off = np.arange(root.shape[0])[:, None] * cached.shape[1]
+        self.costly = ~cached.reshape(-1)
+        root_ids = (root + self.off)[root >= 0]
+        self.out = [int(self.costly[np.unique(root_ids)].sum())]
+        self.costly[root_ids] = False  # the root pays for these; an expert is paid once
+
+    def extend(self, nodes: np.ndarray) -> np.ndarray:
+        for k in range(len(self.out) - 1, nodes.shape[0]):
+            ids = (nodes[k] + self.off)[nodes[k] >= 0]
+            new = np.unique(ids[self.costly[ids]])
+            self.costly[new] = False
+            self.out.append(self.out[-1] + new.size)
+        return np.array(self.out, dtype=np.int64)
+

@@ -3,15 +3,25 @@
 The per-cycle search cannot see what a draft level costs before it is drafted, so a
 draft that is too slow or too inaccurate for the link would be drafted every cycle.
 The gate compares measured tokens/s of cycles that drafted with those that did not and
-skips drafting while plain cycles are faster.  The first measured cycle drafts, the next
-does not (to measure both); afterwards the faster kind runs, and every ``interval``
-cycles one exploring cycle runs the other kind so both estimates follow the text
-(acceptance changes with content).  An exploration that confirms the ranking doubles
-``interval`` (up to ``max_explore_every``), one that flips it resets it to
-``explore_every``, so a losing kind costs ever less.
+skips drafting while plain cycles are faster.  The first three cycles draft, the next
+three do not (to measure both over more than one cycle's luck); afterwards the faster
+kind runs, and every ``interval`` cycles an exploring burst of three cycles runs the
+other kind so both estimates follow the text (acceptance changes with content).  An
+exploration that confirms the ranking doubles ``interval`` (up to
+``max_explore_every``), one that flips it resets it to ``explore_every``, so a losing
+kind costs ever less.
 
 Rates are decayed sums of tokens over decayed sums of seconds (draft + search +
-verify).  These measurements belong to the host, link, cache and draft:
+verify), with the expert transfers taken out of each cycle and charged back at a
+common rate.  Transfers are most of a step's variance and drift with the cache: a
+plain step at half cache loads 0 to 5 experts by routing luck, and the first cycles of
+a call load more than later ones, so raw rates of a few cycles of each kind compare
+routing luck and generation phase rather than drafting.  Instead every cycle reports
+the experts its *root* alone loaded (in a drafting cycle: the root's routing against
+the residents before the verify) and the extra loads of the drafted nodes; both kinds
+are charged ``t_expert`` times the running mean of root loads, plus their own extra.
+
+These measurements belong to the host, link, cache and draft:
 :func:`drafting_measurements` shares them between ``generate`` calls on the same
 offload runtime with the same draft and policy settings.
 """
@@ -63,8 +73,10 @@ class DraftingMeasurements:
 
     ``draft``: the fitted cost of drafting (:class:`DraftCost`); ``verify``: the online fit
     of verification cost, so a later call starts from what earlier calls measured instead
-    of exploring again.  ``drafted_sums`` /
-    ``plain_sums``: decayed (tokens, seconds) of cycles that drafted / did not.
+    of exploring again.  ``drafted_sums`` / ``plain_sums``: decayed (tokens, seconds
+    without transfers, cycles, extra loads beyond the root's) of cycles that drafted / did
+    not; ``root_loads``: running mean of the experts a root alone loads; ``t_expert``:
+    seconds per load the rates charge.
     ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploring cycle and
     the cycles until the next; ``exploring``: while an exploring cycle is in flight, the
     ranking (plain faster?) it was meant to test.
@@ -73,11 +85,16 @@ class DraftingMeasurements:
     interval: int
     draft: DraftCost = field(default_factory=DraftCost)
     verify: object | None = None  # the OnlineCostModel of verification, once a call has made one
-    drafted_sums: tuple[float, float] | None = None
-    plain_sums: tuple[float, float] | None = None
+    drafted_sums: np.ndarray | None = None
+    plain_sums: np.ndarray | None = None
+    root_loads: float | None = None
+    t_expert: float = 0.0
     cycle: int = 0
     explored_at: int = 0
     exploring: bool | None = None
+    explore_left: int = 0
+    drafted_count: int = 0
+    plain_count: int = 0
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -97,11 +114,12 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     return per_key.setdefault(key, fresh)
 
 
-def _decayed_add(sums: tuple[float, float] | None, tokens: float, seconds: float, a: float) -> tuple[float, float]:
-    """(tokens, seconds) sums where each older cycle's weight shrinks by ``1 - a``."""
-    if sums is None:
-        return float(tokens), float(seconds)
-    return (1 - a) * sums[0] + tokens, (1 - a) * sums[1] + seconds
+_BURST = 3  # cycles of a kind measured before its rate is trusted, and per exploration
+
+
+def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
+    """Sums where each older cycle's weight shrinks by ``1 - a``."""
+    return cycle.copy() if sums is None else (1 - a) * sums + cycle
 
 
 class DraftingGate:
@@ -121,43 +139,73 @@ class DraftingGate:
         self.explore_every = explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
         self.ema = ema
+        self.burst = _BURST
         state.exploring = None
+
+    def _rate(self, sums: np.ndarray | None) -> float | None:
+        if sums is None:
+            return None
+        tokens, seconds, cycles, extra = sums
+        state = self.state
+        transfers = state.t_expert * ((state.root_loads or 0.0) * cycles + extra)
+        return tokens / max(seconds + transfers, 1e-12)
 
     @property
     def drafted_rate(self) -> float | None:
-        """Measured tokens per second (draft, search and verify) of cycles that drafted."""
-        sums = self.state.drafted_sums
-        return None if sums is None else sums[0] / sums[1]
+        """Tokens per second (draft, search and verify) of cycles that drafted, transfers at the common rate."""
+        return self._rate(self.state.drafted_sums)
 
     @property
     def plain_rate(self) -> float | None:
-        """Measured tokens per second of cycles that verified the root alone without drafting."""
-        sums = self.state.plain_sums
-        return None if sums is None else sums[0] / sums[1]
+        """Tokens per second of cycles that verified the root alone without drafting, transfers likewise."""
+        return self._rate(self.state.plain_sums)
 
     def skip_drafting(self) -> bool:
         """Called once per cycle before drafting: whether this cycle should draft nothing."""
         state = self.state
         state.cycle += 1
-        if not self.enabled or self.drafted_rate is None:
+        if not self.enabled:
             return False
-        if self.plain_rate is None:
+        # measure each kind over a burst first: one cycle of either kind says little
+        if state.drafted_count < self.burst:
+            return False
+        if state.plain_count < self.burst:
             return True
         plain_is_faster = self.plain_rate > self.drafted_rate
-        explore = state.cycle - state.explored_at >= state.interval
-        if explore:
+        if state.exploring is not None:  # a burst of the slower kind is under way
+            state.explore_left -= 1
+            return not state.exploring
+        if state.cycle - state.explored_at >= state.interval:
             state.explored_at = state.cycle
             state.exploring = plain_is_faster
-        return plain_is_faster != explore
+            state.explore_left = self.burst - 1
+            return not plain_is_faster
+        return plain_is_faster
 
-    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """Add a measured cycle; after an exploring cycle, back off if the ranking held, else reset."""
+    def observe(self, drafted: bool, tokens: int, seconds: float, loads: int | None = None,
+                root_loads: int | None = None, t_expert: float = 0.0) -> None:
+        """Add a measured cycle; after an exploring cycle, back off if the ranking held, else reset.
+
+        ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
+        alone needed (plain cycles: all); ``t_expert``: seconds per load (the cost model's).
+        Without ``loads`` the cycle counts with its transfers in its seconds.
+        """
         state = self.state
+        extra = 0.0
+        if loads is not None:
+            root = loads if root_loads is None or not drafted else min(root_loads, loads)
+            seconds = max(seconds - t_expert * loads, 0.0)
+            extra = float(loads - root)
+            state.root_loads = root if state.root_loads is None else (1 - self.ema) * state.root_loads + self.ema * root
+            state.t_expert = t_expert
+        cycle = np.array([tokens, seconds, 1.0, extra], dtype=np.float64)
         if drafted:
-            state.drafted_sums = _decayed_add(state.drafted_sums, tokens, seconds, self.ema)
+            state.drafted_sums = _decayed_add(state.drafted_sums, cycle, self.ema)
+            state.drafted_count += 1
         else:
-            state.plain_sums = _decayed_add(state.plain_sums, tokens, seconds, self.ema)
-        if state.exploring is None or self.drafted_rate is None or self.plain_rate is None:
+            state.plain_sums = _decayed_add(state.plain_sums, cycle, self.ema)
+            state.plain_count += 1
+        if state.exploring is None or state.explore_left > 0 or self.drafted_rate is None or self.plain_rate is None:
             return
         held = (self.plain_rate > self.drafted_rate) == state.exploring
         state.interval = min(2 * state.interval, self.max_explore_every) if held else self.explore_every

@@ -84,6 +84,40 @@ class LookAhead:
         sel.expand = torch.from_numpy(np.sort(expand).astype(np.int64))
         sel.children = useful_children(float(path[expand].max()), ranks, threshold, width)
 
+    def plan_chain(self, tree: DraftTree, sel: Selection, path: np.ndarray, missing: np.ndarray | None,
+                   acceptance: AcceptanceModel, cycle_model: Callable[[int, int], CostModel], threshold: float) -> None:
+        """:meth:`plan` for a chain (one node per level), from its prefix misses ``missing`` (``[1 + N]`` or None).
+
+        The frontier is the last node ``v``; with all its ancestors the chain is the whole
+        tree, so the look-ahead's set is the tree and ``v`` adds ``missing[N] - missing[N-1]``.
+        """
+        level, n = tree.num_levels, len(tree)
+        sel.stop = True
+        if level >= self.max_depth:
+            return
+        v = n - 1
+        width = self.frontier_width or 1
+        ranks = acceptance.rank_acceptance()
+        pays = len(sel) == n  # the optimum holds the newest node: its children may pay too
+        if not pays and self.enabled:
+            remaining = self.max_depth - level
+            gains = np.cumsum(ranks[0] ** np.arange(1, remaining + 1))
+            children = useful_children(float(path[v]), ranks, threshold, width)
+            e = 1.0 + float(path.sum())
+            miss = child_misses = 0
+            if missing is not None:
+                miss, child_misses = int(missing[n]), int(missing[n] - missing[n - 1])
+            for h in range(1, remaining + 1):
+                cost = cycle_model(level + h, n + h * children)
+                if (e + path[v] * gains[h - 1]) / cost.predict(n + h + 1, miss + h * child_misses) > sel.throughput:
+                    pays = True
+                    break
+        if not pays:
+            return
+        sel.stop = False
+        sel.expand = torch.tensor([v], dtype=torch.long)
+        sel.children = useful_children(float(path[v]), ranks, threshold, width)
+
     @staticmethod
     def _chain_pays(tree: DraftTree, v: int, chosen: np.ndarray, path: np.ndarray, missing: MissingCounter | None,
                     gains: np.ndarray, costs: list[CostModel], base: float) -> bool:

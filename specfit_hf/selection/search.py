@@ -607,6 +607,22 @@ def _select_small(parents: Any, path_prob: Any, node_experts: Any | None, root_e
                      expected_tokens=float(e[best]), predicted_time=float(t[best]), throughput=float(e[best] / t[best]))
 
 
+def select_chain(path_prob: np.ndarray, missing: np.ndarray | None, cost: CostModel, candidates: int) -> Selection:
+    """:func:`select_subtree` for a chain: the best of its first ``candidates + 1`` prefixes.
+
+    A chain's ancestor-closed subsets are its prefixes.  ``path_prob`` ``[N]``: path
+    acceptance of the nodes in chain order; ``missing`` ``[1 + N]``: predicted misses of
+    the root plus each prefix (:meth:`~specfit_hf.selection.forecast.ExpertForecast.chain_missing`;
+    ``None``: no expert term).  Ties go to the shorter prefix.
+    """
+    k = np.arange(candidates + 1)
+    e = 1.0 + np.concatenate([[0.0], np.cumsum(path_prob[:candidates])])
+    t = cost.t0 + cost.t_token * (k + 1) + (0.0 if missing is None else cost.t_expert * missing[: candidates + 1])
+    best = int(np.argmax(e / t))
+    return Selection(nodes=torch.arange(best, dtype=torch.long), expected_tokens=float(e[best]),
+                     predicted_time=float(t[best]), throughput=float(e[best] / t[best]))
+
+
 def evaluate_subtree(
     parents: Any,
     path_prob: Any,

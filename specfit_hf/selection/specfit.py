@@ -37,12 +37,12 @@ from .acceptance import AcceptanceModel
 from .calibration import calibrate
 from .costs import CycleCostTracker, default_cost_model
 from .experts import make_predictor
-from .forecast import ExpertForecast
+from .forecast import ExpertForecast, root_missing
 from .gate import DraftingGate, drafting_measurements
 from .lookahead import LookAhead, useful_children
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
-from .search import CostModel, closed_part, save_instance, select_subtree, useful_nodes
+from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy"]
 
@@ -104,6 +104,8 @@ class SpecFitPolicy(SelectionPolicy):
             return self._before_drafting(tree)
         path = self.acceptance.path(tree)
         cost = self.costs.cycle_model(tree.num_levels, len(tree))
+        if len(tree) == tree.num_levels:  # a chain (one node per level): prefixes only, in one pass
+            return self._select_chain(tree, path, cost)
         candidates = self._prune(tree, path, cost)
         newest = np.nonzero(tree.depths.numpy() == tree.num_levels)[0]
         experts = self.forecast.nodes(tree, np.union1d(candidates, newest))  # the look-ahead reads the frontier
@@ -111,6 +113,20 @@ class SpecFitPolicy(SelectionPolicy):
         threshold = self._useful_path(cost, self.forecast.root_missing(tree))
         self.lookahead.plan(tree, sel, path, experts, self.forecast.cached, self.acceptance, self.costs.cycle_model,
                             threshold)
+        self._last = sel
+        return sel
+
+    def _select_chain(self, tree: DraftTree, path: np.ndarray, cost: CostModel) -> Selection:
+        """:meth:`select` for a chain: the same recipe, where every closed set is a prefix.
+
+        Most drafting cycles grow a chain (a draft rarely earns a second child), and this
+        runs after every level, so it skips the general search's set-up.
+        """
+        candidates = self._prune(tree, path, cost)  # a prefix: path acceptance only falls along the chain
+        missing = self.forecast.chain_missing(tree)
+        sel = select_chain(path, missing, cost, candidates.size)
+        threshold = self._useful_path(cost, self.forecast.root_missing(tree))
+        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance, self.costs.cycle_model, threshold)
         self._last = sel
         return sel
 
@@ -182,9 +198,14 @@ class SpecFitPolicy(SelectionPolicy):
         if self.costs is None:
             return
         self.costs.observe(tree, selection, record, self.forecast.selection_missing(tree, selection))
+        cached = self.forecast.cached if len(tree) and self.forecast.current is not None else None
+        routing = self.forecast.observe(tree, selection)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds > 0:
-            self.gate.observe(tree.num_levels > 0, record.tokens_committed, record.cycle_seconds)
-        self.forecast.observe(tree, selection)
+            root_loads = None
+            if routing is not None and cached is not None and self.forecast.current.tree is tree:
+                root_loads = root_missing(routing[0], cached)  # what a plain step would have loaded now
+            self.gate.observe(tree.num_levels > 0, record.tokens_committed, record.cycle_seconds,
+                              record.experts_loaded, root_loads, self.costs.model.t_expert)
 
     def report(self) -> dict[str, Any]:
         """Online figures: cost model, cycle-time MAPE, acceptance observations."""
