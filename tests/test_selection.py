@@ -457,13 +457,14 @@ def test_gate_charges_transfers_at_the_common_root_rate():
     assert bare.plain_rate == pytest.approx(1 / 0.034)
 
 
-def test_search_charges_measured_loads_per_predicted_miss():
+def test_search_charges_measured_root_and_node_loads():
     from specfit_hf.selection.forecast import _TreePredictions
 
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
     policy = get_policy("specfit", config)
     policy.reset(ctx)
-    assert policy.costs.miss_scale == 1.0  # no data: the predicted misses are taken as they are
+    costs = policy.costs
+    assert costs.root_loads == 0.0 and costs.node_loads == (0.0, 1.0)  # no data: the forecast as it is
     tree = DraftTree(root_token=5)
     tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
     # 2 layers, top-1; nothing resident: root 2 + node 2 predicted misses
@@ -473,12 +474,18 @@ def test_search_charges_measured_loads_per_predicted_miss():
     assert policy.forecast.selection_missing(tree, sel) == 4
     record = CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=1, tokens_committed=2,
                          cycle_seconds=0.02, draft_seconds=0.0, select_seconds=0.0, verify_seconds=0.02,
-                         experts_loaded=12)
-    for _ in range(20):
-        policy.costs.observe(tree, sel, record, policy.forecast.selection_missing(tree, sel))
-    assert 2.0 < policy.costs.miss_scale <= 3.0  # 12 loaded per 4 predicted, shrunk toward 1
-    policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
-    assert policy.costs.cycle_model(0, 0).t_expert == pytest.approx(0.002 * policy.costs.miss_scale)
+                         experts_loaded=7)
+    for _ in range(40):  # the root alone needed 3 loads, the node 4 more for its 2 predicted added misses
+        costs.observe(tree, sel, record, predicted_added=2, root_loads=3)
+    assert costs.root_loads == pytest.approx(3.0)
+    g, b = costs.node_loads
+    assert g + 2 * b == pytest.approx(4.0, rel=0.05)  # the node's extra loads are what the fit charges it
+    costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
+    costs._models.clear()
+    model = costs.cycle_model(0, 0, root_predicted=2)
+    # the root costs its measured loads whatever the forecast predicted for it; the node its fitted extra
+    assert model.predict(1, 2) == pytest.approx(0.01 + 0.001 + 0.002 * 3.0)
+    assert model.predict(2, 4) - model.predict(1, 2) == pytest.approx(0.001 + 0.002 * 4.0, rel=0.05)
 
 
 def _drafting_policy(**kwargs):

@@ -1,4 +1,4 @@
-"""What a cycle costs: the verification cost model, drafting per level, and the miss scale.
+"""What a cycle costs: the verification cost model, drafting per level, and expected loads.
 
 :class:`CycleCostTracker` keeps, online, the three measured terms the search's
 ``T(S)`` is built from:
@@ -8,15 +8,21 @@
   (:class:`~specfit_hf.selection.calibration.OnlineCostModel`);
 * the seconds of drafting (draft steps + the search after each level) per level and per
   drafted node (:class:`~.gate.DraftCost`), added to ``t0`` for what the tree holds;
-* the miss scale: measured expert loads per *predicted* miss of the verified sets.  The
-  search counts predicted misses, and a predictor with imperfect recall predicts fewer
-  distinct experts than a large block really routes to, so big selections would look
-  cheaper than they are; the search's ``t_expert`` is multiplied by this ratio.
+* expected expert loads, in two parts measured apart.  The *root's* loads (a plain
+  step's) are a running mean of what roots really loaded: a root's routing is not known
+  before the target runs it, and at half cache it loads 0 to 5 tiny experts by luck.  The
+  loads the *draft nodes* add -- measured as a verified block's loads minus what its root
+  alone needed -- are fitted as ``g`` per node plus ``b`` per miss the expert forecast
+  predicted the nodes add (the search's coverage term).  Most of a node's loads are
+  experts no forecast saw coming, so ``g`` carries them and the coverage term ranks
+  sets by the experts they are predicted to add beyond that.
 """
 
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
@@ -26,8 +32,8 @@ from .search import CostModel
 
 __all__ = ["CycleCostTracker", "default_cost_model"]
 
-_MISS_DECAY = 0.9  # per cycle: the loads-per-predicted-miss ratio follows the cache state
-_MISS_PRIOR = 4.0  # pseudo-misses on both sides: the ratio starts at 1
+_LOAD_DECAY = 0.9  # per cycle: expected loads follow the cache state
+_NODE_RIDGE = 1.0  # pseudo-observations pulling (g, b) toward (0, 1): the forecast as it is before data
 _DRAFT_DECAY = 0.9  # per drafting cycle: the drafting cost fit follows the host's load
 
 
@@ -41,6 +47,18 @@ def default_cost_model(experts: ExpertCacheView | None = None) -> CostModel:
         link_seconds = experts.transfer_seconds()
         t_expert = 1e-4 if link_seconds is None or not experts.expert_bytes else link_seconds
     return CostModel(t0=5e-3, t_token=5e-4, t_expert=t_expert)
+
+
+def _nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
+    """argmin ``||X c - y||^2 + ridge ||c - prior||^2`` over ``c >= 0`` (two coefficients; normal equations)."""
+    m = xtx + ridge * np.eye(2)
+    r = xty + ridge * prior
+    c = np.linalg.solve(m, r)
+    if (c >= 0).all():
+        return c
+    # one coefficient at 0: the better of the two one-feature fits
+    fits = [np.array([max(r[0] / m[0, 0], 0.0), 0.0]), np.array([0.0, max(r[1] / m[1, 1], 0.0)])]
+    return min(fits, key=lambda f: float(f @ m @ f - 2 * r @ f))
 
 
 class CycleCostTracker:
@@ -60,9 +78,11 @@ class CycleCostTracker:
         self.predicted: list[float] = []  # this call's whole-cycle forecasts and measurements (MAPE)
         self.measured: list[float] = []
         self.online = online
-        self._miss_sums = (0.0, 0.0)  # decayed (measured loads, predicted misses) of verified sets
-        self._models: dict[tuple[int, int], CostModel] = {}
-        self._base: tuple[CostModel, float] | None = None  # (verification model, miss scale) the cache is built on
+        self._root_sums = (0.0, 0.0)  # decayed (root loads, cycles)
+        self._node_xtx = np.zeros((2, 2))  # decayed normal equations of extra loads ~ g * nodes + b * added
+        self._node_xty = np.zeros(2)
+        self._node_fit = np.array([0.0, 1.0])
+        self._models: dict[tuple[int, int, int], CostModel] = {}
 
     @property
     def model(self) -> CostModel:
@@ -75,32 +95,53 @@ class CycleCostTracker:
         return self.drafting.draft
 
     @property
-    def miss_scale(self) -> float:
-        """Measured expert loads per predicted miss of the verified sets (1 before data)."""
-        loaded, predicted = self._miss_sums
-        return min(max((loaded + _MISS_PRIOR) / (predicted + _MISS_PRIOR), 0.25), 4.0)
+    def root_loads(self) -> float:
+        """Mean experts a root alone loads (0 before data)."""
+        loads, cycles = self._root_sums
+        return loads / cycles if cycles else 0.0
 
-    def cycle_model(self, levels: int, nodes: int) -> CostModel:
-        """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``)."""
-        key = (levels, nodes)
+    @property
+    def node_loads(self) -> tuple[float, float]:
+        """``(g, b)``: expected extra loads per verified node and per predicted added miss."""
+        return float(self._node_fit[0]), float(self._node_fit[1])
+
+    def cycle_model(self, levels: int, nodes: int, root_predicted: int = 0) -> CostModel:
+        """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``).
+
+        ``T(S) = t0 + drafting + t_expert * (root loads + g |S| + b * added(S)) + t_token *
+        (|S| + 1)``, ``added(S)``: the misses predicted for ``S`` beyond the root's, written
+        for a search that counts the root's ``root_predicted`` predicted misses in every set
+        (taken back out of ``t0``, which stays >= 0).
+        """
+        key = (levels, nodes, root_predicted)
         model = self._models.get(key)
         if model is None:  # a select asks for the same few models many times; they change only in observe
-            if not self._models:
-                self._base = (self.model, self.miss_scale)
-            c, scale = self._base
-            model = CostModel(c.t0 + self.draft.predict(levels, nodes), c.t_token, c.t_expert * scale)
+            c = self.model
+            g, b = self.node_loads
+            t0 = c.t0 + self.draft.predict(levels, nodes) + c.t_expert * (self.root_loads - g - b * root_predicted)
+            model = CostModel(max(t0, 0.0), c.t_token + c.t_expert * g, c.t_expert * b)
             self._models[key] = model
         return model
 
     def observe(self, tree: DraftTree, selection: Selection, record: CycleRecord,
-                predicted_misses: int | None) -> None:
-        """Learn from a measured cycle; ``predicted_misses``: the forecast's misses of root + selection."""
+                predicted_added: int | None = None, root_loads: int | None = None) -> None:
+        """Learn from a measured cycle.
+
+        ``predicted_added``: the misses the forecast predicted the verified nodes add to the
+        root's; ``root_loads``: the loads the root alone needed (a plain cycle: all of them).
+        """
         self._models.clear()
         seconds, draft_s, select_s = record.cycle_seconds, record.draft_seconds, record.select_seconds
-        if predicted_misses is not None and record.experts_loaded is not None:
-            loaded, predicted = self._miss_sums
-            self._miss_sums = (_MISS_DECAY * loaded + record.experts_loaded,
-                               _MISS_DECAY * predicted + predicted_misses)
+        loads = record.experts_loaded
+        if loads is not None:
+            root = loads if root_loads is None or not record.nodes_verified else min(root_loads, loads)
+            total, cycles = self._root_sums
+            self._root_sums = (_LOAD_DECAY * total + root, _LOAD_DECAY * cycles + 1.0)
+            if record.nodes_verified and predicted_added is not None and root_loads is not None:
+                x = np.array([float(record.nodes_verified), float(predicted_added)])
+                self._node_xtx = _LOAD_DECAY * self._node_xtx + np.outer(x, x)
+                self._node_xty = _LOAD_DECAY * self._node_xty + x * float(loads - root)
+                self._node_fit = _nonnegative_ridge(self._node_xtx, self._node_xty, np.array([0.0, 1.0]), _NODE_RIDGE)
         if not math.isfinite(seconds) or seconds <= 0:
             return
         if tree.num_levels > 0:  # a level costs its draft step and the search after it

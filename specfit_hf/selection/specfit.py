@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -103,16 +103,17 @@ class SpecFitPolicy(SelectionPolicy):
         if len(tree) == 0:
             return self._before_drafting(tree)
         path = self.acceptance.path(tree)
-        cost = self.costs.cycle_model(tree.num_levels, len(tree))
+        root_predicted = self.forecast.root_missing(tree)
+        cost = self.costs.cycle_model(tree.num_levels, len(tree), root_predicted)
         if len(tree) == tree.num_levels:  # a chain (one node per level): prefixes only, in one pass
             return self._select_chain(tree, path, cost)
         candidates = self._prune(tree, path, cost)
         newest = np.nonzero(tree.depths.numpy() == tree.num_levels)[0]
         experts = self.forecast.nodes(tree, np.union1d(candidates, newest))  # the look-ahead reads the frontier
         sel = self._search(tree, path, candidates, experts, cost)
-        threshold = self._useful_path(cost, self.forecast.root_missing(tree))
-        self.lookahead.plan(tree, sel, path, experts, self.forecast.cached, self.acceptance, self.costs.cycle_model,
-                            threshold)
+        threshold = self._useful_path(cost, root_predicted)
+        self.lookahead.plan(tree, sel, path, experts, self.forecast.cached, self.acceptance,
+                            self._cycle_models(root_predicted), threshold)
         self._last = sel
         return sel
 
@@ -126,19 +127,25 @@ class SpecFitPolicy(SelectionPolicy):
         missing = self.forecast.chain_missing(tree)
         sel = select_chain(path, missing, cost, candidates.size)
         threshold = self._useful_path(cost, self.forecast.root_missing(tree))
-        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance, self.costs.cycle_model, threshold)
+        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance,
+                                  self._cycle_models(self.forecast.root_missing(tree)), threshold)
         self._last = sel
         return sel
 
     def _before_drafting(self, tree: DraftTree) -> Selection:
         """The plain step (root alone) with its predicted time; the gate decides whether to draft, and how wide."""
         self._last = None
-        cost = self.costs.cycle_model(0, 0)
-        predicted = cost.predict(1, self.forecast.plain_step_missing(tree))
+        plain_missing = self.forecast.plain_step_missing(tree)
+        cost = self.costs.cycle_model(0, 0, plain_missing)
+        predicted = cost.predict(1, plain_missing)
         stop = self.max_depth < 1 or self.gate.skip_drafting()
         children = useful_children(1.0, self.acceptance.rank_acceptance(), self._useful_path(cost, None, predicted),
                                    self.lookahead.frontier_width or 1)
         return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=predicted, stop=stop, children=children)
+
+    def _cycle_models(self, root_predicted: int) -> Callable[[int, int], CostModel]:
+        """``(levels, nodes) -> cycle cost model`` for this cycle's root (what the look-ahead prices with)."""
+        return lambda levels, nodes: self.costs.cycle_model(levels, nodes, root_predicted)
 
     def _useful_path(self, cost: CostModel, root_missing: int | None, root_time: float | None = None) -> float:
         """Path acceptance a node needs to be worth drafting: it costs a draft slot and a verified token.
@@ -197,13 +204,15 @@ class SpecFitPolicy(SelectionPolicy):
         self.acceptance.observe(tree, selection, result, greedy=self.greedy)
         if self.costs is None:
             return
-        self.costs.observe(tree, selection, record, self.forecast.selection_missing(tree, selection))
+        predicted = self.forecast.selection_missing(tree, selection)
+        added = None if predicted is None else predicted - self.forecast.root_missing(tree)
         cached = self.forecast.cached if len(tree) and self.forecast.current is not None else None
         routing = self.forecast.observe(tree, selection)
+        root_loads = None
+        if routing is not None and cached is not None and self.forecast.current.tree is tree:
+            root_loads = root_missing(routing[0], cached)  # what a plain step would have loaded now
+        self.costs.observe(tree, selection, record, added, root_loads)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds > 0:
-            root_loads = None
-            if routing is not None and cached is not None and self.forecast.current.tree is tree:
-                root_loads = root_missing(routing[0], cached)  # what a plain step would have loaded now
             self.gate.observe(tree.num_levels > 0, record.tokens_committed, record.cycle_seconds,
                               record.experts_loaded, root_loads, self.costs.model.t_expert)
 
