@@ -272,9 +272,9 @@ def test_config_defaults_and_round_trip(tmp_path):
     cfg = SpecFitConfig()
     assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "specfit")
     cfg = SpecFitConfig(max_depth=5, tree_top_k=4, max_verify_nodes=32, policy="specfit",
-                        policy_kwargs={"ema": 0.5}, max_new_tokens=7, do_sample=True, top_k=20)
+                        policy_kwargs={"explore_every": 5}, max_new_tokens=7, do_sample=True, top_k=20)
     d = cfg.to_dict()
-    assert d["max_depth"] == 5 and d["tree_top_k"] == 4 and d["top_k"] == 20 and d["policy_kwargs"] == {"ema": 0.5}
+    assert d["max_depth"] == 5 and d["tree_top_k"] == 4 and d["top_k"] == 20 and d["policy_kwargs"] == {"explore_every": 5}
     assert SpecFitConfig.from_dict(d) == cfg
     cfg.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "generation_config.json").read_text())

@@ -17,7 +17,6 @@ def test_misspelled_option_is_rejected_at_config_time_with_the_valid_names():
     ({"adaptive_drafting": "no"}, "must be a bool"),
     ({"explore_every": 2.5}, "must be an int"),
     ({"explore_every": True}, "must be an int"),
-    ({"ema": 0.0}, r"ema'\] must be in \(0, 1\]"),
     ({"expert_predictor": "crystal-ball"}, "must be one of"),
     ({"cost": {"t0": 1e-3}}, r"missing \['t_token', 't_expert'\]"),
     ({"cost": {"t0": 1e-3, "t_token": "1", "t_expert": 0.0}}, "must be a number"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -410,51 +409,85 @@ def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
     assert alone.acceptance.calibrator.observations == 0
 
 
-def test_adaptive_drafting_compares_tokens_per_wall_second():
+def test_gate_rates_are_decayed_sums_and_drafting_cost_is_fitted():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
+    assert gate.rate("tree") is None and gate.best() == "plain"  # nothing measured: the list order
+    gate.observe("tree", 2, 0.02)
+    gate.observe("tree", 2, 0.06)
+    gate.observe("plain", 1, 0.03)
+    # ratio of decayed sums (newest weight 1, older ones x0.75): not a mean of per-cycle rates
+    assert gate.rate("tree") == pytest.approx(3.5 / 0.075)
+    assert gate.rate("plain") == pytest.approx(1 / 0.03)
+    assert gate.best() == "tree"
+
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
     policy = get_policy("specfit", config)
     policy.reset(ctx)
     drafted = DraftTree(root_token=5)
     drafted.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
-    plain = DraftTree(root_token=5)
-    sel = Selection(nodes=torch.tensor([0]))
-
-    def record(committed, seconds, draft_s):
-        return CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=committed - 1,
-                           tokens_committed=committed, cycle_seconds=seconds, draft_seconds=draft_s,
-                           select_seconds=0.0, verify_seconds=seconds - draft_s)
-
+    record = CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=1, tokens_committed=2, cycle_seconds=0.02,
+                         draft_seconds=0.005, select_seconds=0.0, verify_seconds=0.015)
     ok = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
-    assert policy.gate.drafted_rate is None and policy.costs.draft.t_level is None
-    policy.observe(drafted, sel, ok, record(2, 0.02, 0.005))
-    policy.observe(drafted, sel, ok, record(2, 0.06, 0.005))
-    root_only = VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[7], bonus_token=7)
-    policy.observe(plain, Selection(nodes=torch.empty(0, dtype=torch.long)), root_only, record(1, 0.03, 0.0))
-    # ratio of decayed sums (ema 0.3): (0.7*2 + 2) / (0.7*0.02 + 0.06), not a mean of per-cycle rates
-    assert policy.gate.drafted_rate == pytest.approx(3.4 / 0.074)
-    assert policy.gate.plain_rate == pytest.approx(1 / 0.03)
+    assert policy.costs.draft.t_level is None
+    policy.observe(drafted, Selection(nodes=torch.tensor([0])), ok, record)
+    policy.observe(drafted, Selection(nodes=torch.tensor([0])), ok, record)
     assert policy.costs.draft.predict(1, 1) == pytest.approx(0.005)  # 1 level of 1 node, twice
 
 
-def test_gate_charges_transfers_at_the_common_root_rate():
+def test_gate_charges_transfers_at_the_current_root_rate():
     from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
 
-    gate = DraftingGate(DraftingMeasurements(interval=8), True, 8, 64, ema=0.5)
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:2", "tree"], 8, 64)
     t_exp = 0.006
-    # plain steps: 10 ms of compute plus 0 or 4 loads by routing luck
-    gate.observe(False, 1, 0.010 + 4 * t_exp, loads=4, t_expert=t_exp)
-    gate.observe(False, 1, 0.010, loads=0, t_expert=t_exp)
-    # a drafting cycle: 25 ms of compute, 3 tokens; its root alone needed 1 load, its nodes 2 more
-    gate.observe(True, 3, 0.025 + 3 * t_exp, loads=3, root_loads=1, t_expert=t_exp)
-    root = gate.state.root_loads  # running mean over every cycle's root: 4, 0, 1 with weight 1/2
-    assert root == pytest.approx(0.5 * (0.5 * 4 + 0.5 * 0) + 0.5 * 1)
-    # both kinds pay transfers at that mean, drafting plus its own extra loads
-    assert gate.plain_rate == pytest.approx(1.5 / (0.015 + 1.5 * root * t_exp))
-    assert gate.drafted_rate == pytest.approx(3 / (0.025 + (root + 2) * t_exp))
+    # plain steps: 10 ms of compute plus 4 or 0 loads by routing luck
+    gate.observe("plain", 1, 0.010 + 4 * t_exp, loads=4, t_expert=t_exp)
+    gate.observe("plain", 1, 0.010, loads=0, t_expert=t_exp)
+    root_then = 0.7 * 4 + 0.3 * 0  # running mean of root loads (newest weight 0.3)
+    # a chain cycle: 25 ms of compute, 3 tokens, 2 nodes; its root alone needed 1 load, its nodes 2 more
+    gate.observe("chain:2", 3, 0.025 + 3 * t_exp, loads=3, root_loads=1, t_expert=t_exp, nodes=2)
+    root = gate.state.root_loads
+    assert root == pytest.approx(0.7 * root_then + 0.3 * 1)
+    # every kind pays transfers at the current mean: a node loads kappa root loads, kappa measured then
+    kappa = 2 / (root_then * 2)
+    assert gate.rate("plain") == pytest.approx(1.75 / (0.0175 + t_exp * root * 1.75))
+    assert gate.rate("chain:2") == pytest.approx(3 / (0.025 + t_exp * root * (1 + kappa * 2)))
     # without loads a cycle keeps its transfers in its seconds
-    bare = DraftingGate(DraftingMeasurements(interval=8), True, 8, 64, ema=0.5)
-    bare.observe(False, 1, 0.034)
-    assert bare.plain_rate == pytest.approx(1 / 0.034)
+    bare = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
+    bare.observe("plain", 1, 0.034)
+    assert bare.rate("plain") == pytest.approx(1 / 0.034)
+
+
+def test_gate_measures_every_kind_then_runs_the_best_and_backs_off_exploring():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=4), True, ["plain", "chain:1", "tree"], 4, 16)
+
+    intervals = []
+
+    def run(speed, cycles):
+        seq = []
+        for _ in range(cycles):
+            kind = gate.choose()
+            seq.append(kind)
+            gate.observe(kind, *speed[kind])
+            intervals.append(gate.state.interval)
+        return seq
+
+    seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (2, 0.1)}, 80)  # chain:1 is best (40 tok/s)
+    assert seq[:6] == ["plain", "plain", "chain:1", "chain:1", "tree", "tree"]  # a burst of each kind first
+    starts = [i for i in range(6, 80) if seq[i] != "chain:1" and (i == 6 or seq[i - 1] == "chain:1")]
+    assert all(seq[i:i + 2] == [seq[i]] * 2 for i in starts)  # explorations are bursts of 2
+    assert np.diff(starts).tolist()[:2] == [8, 16] and max(np.diff(starts)) == 16  # 4 -> 8 -> 16 (capped)
+    assert gate.state.interval == 16
+    # far slower kinds are explored less: tree (20 tok/s) less often than plain (33 tok/s)
+    assert seq[6:].count("tree") < seq[6:].count("plain")
+    # the text changes: the tree now pays most; the next exploration of it flips the best kind
+    intervals.clear()
+    seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (6, 0.1)}, 60)
+    assert seq[-10:].count("tree") >= 8
+    assert 4 in intervals  # the flip reset the interval
 
 
 def test_search_charges_measured_root_and_node_loads():
@@ -488,51 +521,6 @@ def test_search_charges_measured_root_and_node_loads():
     assert model.predict(2, 4) - model.predict(1, 2) == pytest.approx(0.001 + 0.002 * 4.0, rel=0.05)
 
 
-def _drafting_policy(**kwargs):
-    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), expert_predictor="none", **kwargs)
-    policy = get_policy("specfit", config)
-    policy.reset(ctx)
-    return policy, ctx
-
-
-def _run_cycle(policy, ctx, committed_if_drafted, seconds_if_drafted, plain_seconds):
-    """One cycle as the loop runs it: ask on the empty tree, then report what happened."""
-    skip = policy.select(DraftTree(root_token=5), ctx).stop
-    if skip:
-        tree, sel, committed, seconds = DraftTree(root_token=5), Selection(nodes=torch.empty(0, dtype=torch.long)), 1, plain_seconds
-        result = VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[7], bonus_token=7)
-    else:
-        tree = DraftTree(root_token=5)
-        tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
-        sel, committed, seconds = Selection(nodes=torch.tensor([0])), committed_if_drafted, seconds_if_drafted
-        result = VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 7], bonus_token=7)
-    record = CycleRecord(nodes_drafted=len(tree), nodes_verified=len(sel), tokens_accepted=committed - 1,
-                         tokens_committed=committed, cycle_seconds=seconds, draft_seconds=0.0 if skip else 0.004,
-                         select_seconds=0.0, verify_seconds=seconds)
-    policy.observe(tree, sel, result, record)
-    return "P" if skip else "D"
-
-
-def test_exploration_backs_off_while_the_ranking_holds_and_resets_when_it_flips():
-    policy, ctx = _drafting_policy(explore_every=4, max_explore_every=16)
-    # drafting: 2 tokens in 0.1 s (20 tok/s); plain: 1 token in 0.03 s (33 tok/s)
-    kinds = "".join(_run_cycle(policy, ctx, 2, 0.1, 0.03) for _ in range(60))
-    assert kinds.startswith("DDDPPP")  # measure both kinds over a burst each, then the faster one
-    bursts = [m.start() for m in re.finditer("D+", kinds)][1:]
-    assert all(kinds[b:b + 4] == "DDDP" for b in bursts)  # each exploration is a burst of 3 drafting cycles
-    gaps = np.diff(bursts).tolist()
-    assert gaps[0] == 8 and gaps[1] == 16 and max(gaps) <= 16  # 4 -> 8 -> 16 (capped): each confirmation doubles
-    assert policy.gate.state.interval == 16
-    # now drafting pays (10 tokens in 0.1 s): the next exploration flips the ranking
-    kinds, intervals = "", []
-    for _ in range(30):
-        kinds += _run_cycle(policy, ctx, 10, 0.1, 0.03)
-        intervals.append(policy.gate.state.interval)
-    assert policy.gate.drafted_rate > policy.gate.plain_rate
-    assert 4 in intervals  # reset to explore_every on the flip
-    assert kinds[-16:].count("D") >= 12 and "PPP" in kinds  # drafting now, plain explored in bursts now and then
-
-
 def test_drafting_measurements_are_shared_per_runtime_and_draft():
     draft, experts = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)  # any weak-referenceable objects
     config, ctx = _shared_ctx(draft, expert_predictor="none")
@@ -559,3 +547,22 @@ def test_closure_guard_keeps_only_nodes_whose_ancestors_are_selected():
     assert closed_part(parents, np.array([0, 1, 2, 3])).all()
     assert not closed_part(parents, np.array([0, 2])).all()
     assert closed_part(parents, np.array([0, 2, 3, 4])).tolist() == [True, False, True, True]
+
+
+def test_chain_cycles_draft_one_child_per_level_and_verify_the_whole_chain():
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), expert_predictor="none")
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    policy.gate.choose = lambda: "chain:2"  # the gate's pick for this cycle
+    sel = policy.select(DraftTree(root_token=5), ctx)
+    assert not sel.stop and sel.children == 1
+    tree = DraftTree(root_token=5)
+    tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.05]))  # unlikely: verified anyway
+    sel = policy.select(tree, ctx)
+    assert not sel.stop and sel.expand.tolist() == [0] and sel.children == 1
+    tree.add_level(torch.tensor([11]), torch.tensor([0]), torch.tensor([0.05]))
+    sel = policy.select(tree, ctx)
+    assert sel.stop and sel.nodes.tolist() == [0, 1]
+    assert math.isfinite(sel.predicted_time) and sel.expected_tokens > 1.0
+    policy.gate.choose = lambda: "plain"
+    assert policy.select(DraftTree(root_token=5), ctx).stop

@@ -81,6 +81,9 @@ class TreeCandidates:
 
 def _select_block(tree: DraftTree, nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Block arrays (tokens, parents, depths, path probs) for ``[root] + nodes``."""
+    if nodes.numel() == 0:  # a plain step: most cycles where drafting does not pay
+        return (torch.tensor([tree.root_token]), torch.tensor([-1]), torch.tensor([0]),
+                torch.ones(1, dtype=torch.float64))
     nodes = nodes.reshape(-1).to(torch.long).sort().values
     n = nodes.numel()
     block_of_node = torch.full((len(tree) + 1,), -1, dtype=torch.long)

@@ -190,7 +190,11 @@ def tree_speculative_decoding(
     if positions is None or positions.shape[-1] != prompt_len:
         positions = torch.arange(prompt_len, device=input_ids.device)[None]
     prefix_hidden = None if prompt_mask is None else torch.nonzero(prompt_mask[0] == 0).reshape(-1)
-    with _maybe_capture(model, feature_indices) as captured:
+    # The drafter reads target hidden states of every target forward: the capture hooks stay
+    # on for the whole call (registering them per forward costs host time every cycle).
+    capture = contextlib.ExitStack()
+    captured = capture.enter_context(_maybe_capture(model, feature_indices))
+    try:
         out = model(
             input_ids=input_ids.to(model.device),
             attention_mask=None if prompt_mask is None else prompt_mask.to(model.device),
@@ -200,84 +204,88 @@ def tree_speculative_decoding(
             logits_to_keep=1,
         )
         prompt_features = _concat_features(captured, feature_indices, None) if feature_indices else None
-    first_logits = out.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
-    first_scores = logits_processor(sequence, first_logits.clone()) if len(logits_processor) else first_logits
-    if do_sample:
-        first = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[0]
-    else:
-        first = first_scores.argmax(dim=-1)
-    if keep_scores:
-        scores.append(first_scores)
-        raw_logits.append(first_logits)
-    sequence = torch.cat([sequence, first[None].to(sequence.device)], dim=1)
-    if streamer is not None:
-        streamer.put(first.cpu())
-    finished = stop_rule.done(sequence, None)
-    root_position = int(positions[0, -1]) + 1
+        first_logits = out.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
+        first_scores = logits_processor(sequence, first_logits.clone()) if len(logits_processor) else first_logits
+        if do_sample:
+            first = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[0]
+        else:
+            first = first_scores.argmax(dim=-1)
+        if keep_scores:
+            scores.append(first_scores)
+            raw_logits.append(first_logits)
+        sequence = torch.cat([sequence, first[None].to(sequence.device)], dim=1)
+        if streamer is not None:
+            streamer.put(first.cpu())
+        finished = stop_rule.done(sequence, None)
+        root_position = int(positions[0, -1]) + 1
 
-    if not finished:
-        drafter.start(input_ids, prompt_features)
-        ctx.prefix_len = cache.get_seq_length()
-        policy.reset(ctx)
+        if not finished:
+            drafter.start(input_ids, prompt_features)
+            ctx.prefix_len = cache.get_seq_length()
+            policy.reset(ctx)
 
-    while not finished:
-        cycle_start = clock()
-        loads_before = None if experts is None else experts.loads()
-        prefix_len = cache.get_seq_length()
-        root = int(sequence[0, -1])
+        while not finished:
+            cycle_start = clock()
+            loads_before = None if experts is None else experts.loads()
+            prefix_len = cache.get_seq_length()
+            root = int(sequence[0, -1])
 
-        # Draft and select.
-        oracle_probe.prefix_len, oracle_probe.root_position = prefix_len, root_position
-        oracle_probe.prefix_hidden = prefix_hidden
-        candidates = candidate_generator.propose(root, prefix_len, root_position, prefix_hidden)
+            # Draft and select.
+            oracle_probe.prefix_len, oracle_probe.root_position = prefix_len, root_position
+            oracle_probe.prefix_hidden = prefix_hidden
+            candidates = candidate_generator.propose(root, prefix_len, root_position, prefix_hidden)
 
-        # Verify and accept.
-        verify_start = clock()
-        with _maybe_capture(model, feature_indices) as captured:
+            # Verify and accept.
+            verify_start = clock()
             logits = verify_forward(model, cache, candidates)
             block_features = _concat_features(captured, feature_indices, None) if feature_indices else None
-        accepted = accept(
-            logits.to(input_ids.device), candidates, sequence, logits_processor, do_sample, keep_scores=keep_scores
-        )
-        result = accepted.result
-        verify_s = clock() - verify_start
+            accepted = accept(
+                logits.to(input_ids.device), candidates, sequence, logits_processor, do_sample, keep_scores=keep_scores
+            )
+            result = accepted.result
+            verify_s = clock() - verify_start
 
-        # Stop inside the tree: max_new_tokens, eos, stopping criteria.
-        new_tokens, finished = stop_rule.truncate(sequence, result.new_tokens)
-        sequence = torch.cat([sequence, torch.tensor([new_tokens], dtype=sequence.dtype, device=sequence.device)], 1)
-        if streamer is not None:
-            streamer.put(torch.tensor([new_tokens]))
-        if keep_scores:
-            scores.extend(accepted.scores[: len(new_tokens)])
-            raw_logits.extend(accepted.raw_logits[: len(new_tokens)])
-        finished = finished or stop_rule.done(sequence, None)
-        root_position += len(new_tokens)
+            # Stop inside the tree: max_new_tokens, eos, stopping criteria.
+            new_tokens, finished = stop_rule.truncate(sequence, result.new_tokens)
+            appended = torch.tensor([new_tokens], dtype=sequence.dtype, device=sequence.device)
+            sequence = torch.cat([sequence, appended], 1)
+            if streamer is not None:
+                streamer.put(torch.tensor([new_tokens]))
+            if keep_scores:
+                scores.extend(accepted.scores[: len(new_tokens)])
+                raw_logits.extend(accepted.raw_logits[: len(new_tokens)])
+            finished = finished or stop_rule.done(sequence, None)
+            root_position += len(new_tokens)
 
-        # Commit: both caches keep the root and the accepted path.  The target cache
-        # always does (a returned cache then holds exactly sequence[:-1]); the drafter
-        # only while generation goes on.
-        cache.keep_prefix_and(prefix_len, result.accepted_positions[: len(new_tokens)])
-        if not finished:
-            rows = torch.tensor(result.accepted_positions, dtype=torch.long)
-            commit_features = block_features[:, rows.to(block_features.device)] if block_features is not None else None
-            candidate_generator.commit(candidates, result, commit_features)
+            # Commit: both caches keep the root and the accepted path.  The target cache
+            # always does (a returned cache then holds exactly sequence[:-1]); the drafter
+            # only while generation goes on.
+            cache.keep_prefix_and(prefix_len, result.accepted_positions[: len(new_tokens)])
+            if not finished:
+                rows = torch.tensor(result.accepted_positions, dtype=torch.long)
+                commit_features = None
+                if block_features is not None:
+                    commit_features = block_features[:, rows.to(block_features.device)]
+                candidate_generator.commit(candidates, result, commit_features)
 
-        record = CycleRecord(
-            nodes_drafted=len(candidates.tree),
-            nodes_verified=candidates.num_nodes,
-            tokens_accepted=len(result.accepted),
-            tokens_committed=len(new_tokens),
-            cycle_seconds=clock() - cycle_start,
-            draft_seconds=candidates.draft_seconds,
-            select_seconds=candidates.select_seconds,
-            verify_seconds=verify_s,
-            levels_drafted=candidates.tree.num_levels,
-            experts_loaded=None if experts is None else experts.loads() - loads_before,
-            expected_tokens=float(candidates.selection.expected_tokens),
-            predicted_time=float(candidates.selection.predicted_time),
-        )
-        records.append(record)
-        candidate_generator.observe(candidates, result, record)
+            record = CycleRecord(
+                nodes_drafted=len(candidates.tree),
+                nodes_verified=candidates.num_nodes,
+                tokens_accepted=len(result.accepted),
+                tokens_committed=len(new_tokens),
+                cycle_seconds=clock() - cycle_start,
+                draft_seconds=candidates.draft_seconds,
+                select_seconds=candidates.select_seconds,
+                verify_seconds=verify_s,
+                levels_drafted=candidates.tree.num_levels,
+                experts_loaded=None if experts is None else experts.loads() - loads_before,
+                expected_tokens=float(candidates.selection.expected_tokens),
+                predicted_time=float(candidates.selection.predicted_time),
+            )
+            records.append(record)
+            candidate_generator.observe(candidates, result, record)
+    finally:
+        capture.close()
 
     if streamer is not None:
         streamer.end()

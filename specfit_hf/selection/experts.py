@@ -45,6 +45,7 @@ class ExpertPredictor:
     """Base class: predicts ``[n, L, k]`` experts for draft nodes (and the root)."""
 
     name = ""
+    learns = False  # whether observe() uses the routing (else the forecast skips reading it)
 
     def __init__(self, experts: ExpertCacheView) -> None:
         self.experts = experts
@@ -129,6 +130,7 @@ class HistoryPredictor(ExpertPredictor):
     """
 
     name = "history"
+    learns = True
 
     def __init__(self, experts: ExpertCacheView, fallback: ExpertPredictor | None = None, decay: float = 0.8,
                  max_tokens: int = 4096) -> None:

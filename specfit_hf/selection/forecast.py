@@ -127,6 +127,8 @@ class ExpertForecast:
         """Teach the predictor the routing of the verified block; returns that routing ``[1 + n, L, k]``."""
         if self.experts is None:
             return None
+        if len(tree) == 0 and (self.predictor is None or not self.predictor.learns):
+            return None  # a plain step teaches nothing here: skip reading the routing
         nodes = selection.nodes.numpy()
         routing = self.experts.last_routing(rows=1 + nodes.size)
         if routing is None or self.predictor is None:

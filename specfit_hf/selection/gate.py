@@ -1,25 +1,34 @@
-"""The drafting gate: draft this cycle, or take a plain decode step?
+"""The drafting gate: which kind of cycle runs next -- plain, a fixed chain, or the adaptive tree?
 
-The per-cycle search cannot see what a draft level costs before it is drafted, so a
-draft that is too slow or too inaccurate for the link would be drafted every cycle.
-The gate compares measured tokens/s of cycles that drafted with those that did not and
-skips drafting while plain cycles are faster.  The first three cycles draft, the next
-three do not (to measure both over more than one cycle's luck); afterwards the faster
-kind runs, and every ``interval`` cycles an exploring burst of three cycles runs the
-other kind so both estimates follow the text (acceptance changes with content).  An
-exploration that confirms the ranking doubles ``interval`` (up to
-``max_explore_every``), one that flips it resets it to ``explore_every``, so a losing
-kind costs ever less.
+The per-cycle search cannot see what a draft level costs before it is drafted, and its
+estimates of acceptance and cost are noisy early in a call, so the gate ranks a few
+*kinds* of cycle by what they measurably deliver and runs the best one:
 
-Rates are decayed sums of tokens over decayed sums of seconds (draft + search +
-verify), with the expert transfers taken out of each cycle and charged back at a
-common rate.  Transfers are most of a step's variance and drift with the cache: a
+* ``plain``: no drafting, the root alone (plain decoding);
+* ``chain:h``: draft a chain of ``h`` levels, one child each, and verify all of it (the
+  fixed chains that are the strongest simple baselines);
+* ``tree``: the throughput-optimal drafting plan and subtree search of the policy.
+
+So the policy is never slower, for long, than plain decoding or than a short chain, and
+it is the adaptive tree wherever the tree pays.  Every kind is measured over a burst of
+cycles first; afterwards the best kind runs, and every ``interval`` cycles one other
+kind runs a burst again -- the one measured longest ago, discounted by the square of its
+rate relative to the best, so far slower kinds cost little -- and every estimate follows
+the text; an exploration that leaves the best kind unchanged doubles ``interval`` (up to
+``max_explore_every``), one that changes it resets ``interval``.
+
+A kind's rate is its decayed sum of tokens over its decayed sum of seconds (draft +
+search + verify), with the expert transfers taken out of each cycle and charged back at
+a common rate.  Transfers are most of a step's variance and drift with the cache: a
 plain step at half cache loads 0 to 5 experts by routing luck, and the first cycles of
-a call load more than later ones, so raw rates of a few cycles of each kind compare
-routing luck and generation phase rather than drafting.  Instead every cycle reports
-the experts its *root* alone loaded (in a drafting cycle: the root's routing against
-the residents before the verify) and the extra loads of the drafted nodes; both kinds
-are charged ``t_expert`` times the running mean of root loads, plus their own extra.
+a call load more than later ones, so raw rates of a few cycles would rank routing luck
+and generation phase.  Instead every cycle reports the experts its *root* alone loaded
+(in a drafting cycle: the root's routing against the residents before the verify) and
+the extra loads of its verified nodes.  A verified node loads what a root would in the
+same cache state, times a kind's ratio ``kappa`` (a node shares experts with its
+parent), so every kind is charged ``t_expert * m * (cycles + kappa * nodes)`` with ``m``
+the *current* running mean of root loads: kinds measured in a cold phase and kinds
+measured in a warm one compare as if measured now.
 
 These measurements belong to the host, link, cache and draft:
 :func:`drafting_measurements` shares them between ``generate`` calls on the same
@@ -33,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DraftCost", "DraftingMeasurements", "DraftingGate", "drafting_measurements"]
+__all__ = ["DraftCost", "DraftingMeasurements", "DraftingGate", "chain_kinds", "drafting_measurements"]
 
 
 @dataclass
@@ -69,32 +78,33 @@ class DraftCost:
 
 @dataclass
 class DraftingMeasurements:
-    """Measured cost and pay-off of drafting (shared across calls on one runtime + draft).
+    """Measured costs and pay-off of each kind of cycle (shared across calls on one runtime + draft).
 
     ``draft``: the fitted cost of drafting (:class:`DraftCost`); ``verify``: the online fit
     of verification cost, so a later call starts from what earlier calls measured instead
-    of exploring again.  ``drafted_sums`` / ``plain_sums``: decayed (tokens, seconds
-    without transfers, cycles, extra loads beyond the root's) of cycles that drafted / did
-    not; ``root_loads``: running mean of the experts a root alone loads; ``t_expert``:
-    seconds per load the rates charge.
-    ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploring cycle and
-    the cycles until the next; ``exploring``: while an exploring cycle is in flight, the
-    ranking (plain faster?) it was meant to test.
+    of exploring again.  ``sums``: per kind, decayed (tokens, seconds without transfers,
+    cycles, extra loads beyond the root's, verified nodes, verified nodes times the root
+    loads mean when they ran); ``counts``: cycles run per kind;
+    ``last_run``: the cycle each kind last ran; ``root_loads``: running mean of the
+    experts a root alone loads; ``t_expert``: seconds per load the rates charge.
+    ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploration and
+    the cycles until the next; ``exploring`` / ``explore_left``: the kind of the burst
+    under way and its cycles left; ``best_before``: the best kind when it started.
     """
 
     interval: int
     draft: DraftCost = field(default_factory=DraftCost)
     verify: object | None = None  # the OnlineCostModel of verification, once a call has made one
-    drafted_sums: np.ndarray | None = None
-    plain_sums: np.ndarray | None = None
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    last_run: dict[str, int] = field(default_factory=dict)
     root_loads: float | None = None
     t_expert: float = 0.0
     cycle: int = 0
     explored_at: int = 0
-    exploring: bool | None = None
+    exploring: str | None = None
     explore_left: int = 0
-    drafted_count: int = 0
-    plain_count: int = 0
+    best_before: str | None = None
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -114,7 +124,9 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     return per_key.setdefault(key, fresh)
 
 
-_BURST = 3  # cycles of a kind measured before its rate is trusted, and per exploration
+_BURST = 2  # cycles of a kind per measurement burst
+_KIND_EMA = 0.25  # weight of a kind's newest cycle in its decayed sums
+_ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 
 
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
@@ -122,91 +134,107 @@ def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.nda
     return cycle.copy() if sums is None else (1 - a) * sums + cycle
 
 
+def chain_kinds(max_depth: int) -> list[str]:
+    """The kinds of cycle the gate ranks: plain, chains of 1..min(4, max_depth) levels, the adaptive tree."""
+    return ["plain", *(f"chain:{h}" for h in range(1, min(4, max_depth) + 1)), "tree"]
+
+
 class DraftingGate:
-    """Adaptive drafting with exploration that backs off (see the module docstring).
+    """Runs the kind of cycle measured fastest, re-measuring the others in backed-off bursts.
 
     Args:
         state: the (possibly shared) measurements.
-        enabled: ``False`` always drafts.
+        enabled: ``False`` always runs the adaptive ``tree``.
+        kinds: the kinds ranked (:func:`chain_kinds`); ``tree`` must be one of them.
         explore_every / max_explore_every: the exploration interval and its cap.
-        ema: weight of the newest cycle in the decayed sums.
     """
 
-    def __init__(self, state: DraftingMeasurements, enabled: bool, explore_every: int, max_explore_every: int,
-                 ema: float) -> None:
+    def __init__(self, state: DraftingMeasurements, enabled: bool, kinds: list[str], explore_every: int,
+                 max_explore_every: int) -> None:
+        if "tree" not in kinds:
+            raise ValueError(f"the drafting gate needs the 'tree' kind among {kinds}")
         self.state = state
         self.enabled = enabled
+        self.kinds = list(kinds)
         self.explore_every = explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
-        self.ema = ema
         self.burst = _BURST
-        state.exploring = None
+        state.exploring, state.explore_left = None, 0
 
-    def _rate(self, sums: np.ndarray | None) -> float | None:
-        if sums is None:
-            return None
-        tokens, seconds, cycles, extra = sums
+    def rate(self, kind: str) -> float | None:
+        """Tokens per second of ``kind``'s cycles (draft, search and verify), transfers at the common rate."""
+        return self.rates().get(kind)
+
+    def rates(self) -> dict[str, float]:
+        """:meth:`rate` of every kind measured so far."""
         state = self.state
-        transfers = state.t_expert * ((state.root_loads or 0.0) * cycles + extra)
-        return tokens / max(seconds + transfers, 1e-12)
+        sums = state.sums
+        total_extra = sum(float(s[3]) for s in sums.values())
+        total_root_nodes = sum(float(s[5]) for s in sums.values())
+        shared_kappa = total_extra / total_root_nodes if total_root_nodes > 0.5 else 1.0
+        per_load = state.t_expert * (state.root_loads or 0.0)
+        out = {}
+        for kind, (tokens, seconds, cycles, extra, nodes, root_nodes) in sums.items():
+            kappa = extra / root_nodes if root_nodes > 0.5 else shared_kappa
+            out[kind] = float(tokens / max(seconds + per_load * (cycles + kappa * nodes), 1e-12))
+        return out
 
-    @property
-    def drafted_rate(self) -> float | None:
-        """Tokens per second (draft, search and verify) of cycles that drafted, transfers at the common rate."""
-        return self._rate(self.state.drafted_sums)
+    def best(self) -> str:
+        """The measured fastest kind (kinds not measured yet rank last)."""
+        rates = self.rates()
+        return max(self.kinds, key=lambda k: (k in rates, rates.get(k, 0.0)))
 
-    @property
-    def plain_rate(self) -> float | None:
-        """Tokens per second of cycles that verified the root alone without drafting, transfers likewise."""
-        return self._rate(self.state.plain_sums)
-
-    def skip_drafting(self) -> bool:
-        """Called once per cycle before drafting: whether this cycle should draft nothing."""
+    def choose(self) -> str:
+        """Called once per cycle before drafting: the kind of cycle to run."""
         state = self.state
         state.cycle += 1
         if not self.enabled:
-            return False
-        # measure each kind over a burst first: one cycle of either kind says little
-        if state.drafted_count < self.burst:
-            return False
-        if state.plain_count < self.burst:
-            return True
-        plain_is_faster = self.plain_rate > self.drafted_rate
-        if state.exploring is not None:  # a burst of the slower kind is under way
+            return "tree"
+        for kind in self.kinds:  # measure every kind over a burst first
+            if state.counts.get(kind, 0) < self.burst:
+                return kind
+        if state.exploring is not None and state.explore_left > 0:
             state.explore_left -= 1
-            return not state.exploring
+            return state.exploring
+        rates = self.rates()
+        best = max(self.kinds, key=lambda k: rates.get(k, 0.0))
         if state.cycle - state.explored_at >= state.interval:
-            state.explored_at = state.cycle
-            state.exploring = plain_is_faster
-            state.explore_left = self.burst - 1
-            return not plain_is_faster
-        return plain_is_faster
+            # the kind measured longest ago, discounted by how far behind it was: a kind at half
+            # the best rate is re-measured a quarter as often (it would take a big change to win)
+            def due(k: str) -> float:
+                ratio = rates.get(k, 0.0) / max(rates[best], 1e-12)
+                return (state.cycle - state.last_run.get(k, -1)) * ratio * ratio
 
-    def observe(self, drafted: bool, tokens: int, seconds: float, loads: int | None = None,
-                root_loads: int | None = None, t_expert: float = 0.0) -> None:
-        """Add a measured cycle; after an exploring cycle, back off if the ranking held, else reset.
+            kind = max((k for k in self.kinds if k != best), key=due)
+            state.explored_at, state.exploring, state.explore_left = state.cycle, kind, self.burst - 1
+            state.best_before = best
+            return kind
+        if state.exploring is not None:  # a burst ended: back off if the best kind held
+            held = best == state.best_before
+            state.interval = min(2 * state.interval, self.max_explore_every) if held else self.explore_every
+            state.exploring = None
+        return best
+
+    def observe(self, kind: str, tokens: int, seconds: float, loads: int | None = None,
+                root_loads: int | None = None, t_expert: float = 0.0, nodes: int = 0) -> None:
+        """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
-        alone needed (plain cycles: all); ``t_expert``: seconds per load (the cost model's).
-        Without ``loads`` the cycle counts with its transfers in its seconds.
+        alone needed (plain cycles: all); ``t_expert``: seconds per load (the cost model's);
+        ``nodes``: draft nodes verified.  Without ``loads`` the cycle counts with its
+        transfers in its seconds.
         """
         state = self.state
         extra = 0.0
+        root_nodes = (state.root_loads or 0.0) * nodes  # what the nodes' loads are relative to
         if loads is not None:
-            root = loads if root_loads is None or not drafted else min(root_loads, loads)
+            root = loads if root_loads is None or kind == "plain" else min(root_loads, loads)
             seconds = max(seconds - t_expert * loads, 0.0)
             extra = float(loads - root)
-            state.root_loads = root if state.root_loads is None else (1 - self.ema) * state.root_loads + self.ema * root
+            state.root_loads = root if state.root_loads is None else (
+                (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
             state.t_expert = t_expert
-        cycle = np.array([tokens, seconds, 1.0, extra], dtype=np.float64)
-        if drafted:
-            state.drafted_sums = _decayed_add(state.drafted_sums, cycle, self.ema)
-            state.drafted_count += 1
-        else:
-            state.plain_sums = _decayed_add(state.plain_sums, cycle, self.ema)
-            state.plain_count += 1
-        if state.exploring is None or state.explore_left > 0 or self.drafted_rate is None or self.plain_rate is None:
-            return
-        held = (self.plain_rate > self.drafted_rate) == state.exploring
-        state.interval = min(2 * state.interval, self.max_explore_every) if held else self.explore_every
-        state.exploring = None
+        cycle = np.array([tokens, seconds, 1.0, extra, float(nodes), root_nodes], dtype=np.float64)
+        state.sums[kind] = _decayed_add(state.sums.get(kind), cycle, _KIND_EMA)
+        state.counts[kind] = state.counts.get(kind, 0) + 1
+        state.last_run[kind] = state.cycle

@@ -53,14 +53,15 @@ class SpecFitOptions:
     ``prior_weight``, ``decay``, ``depth_aware``, ``rank_aware``)."""
 
     adaptive_drafting: bool = True
-    """Skip drafting while measured tokens/s of cycles that draft trail those of plain
-    cycles (with exploring cycles of the other kind, see :attr:`explore_every`)."""
+    """Run the kind of cycle -- plain, a fixed chain of 1-4 levels, or the adaptive tree --
+    that measurably delivers the most tokens per second, re-measuring the others now and
+    then (:class:`~specfit_hf.selection.gate.DraftingGate`); ``False`` always runs the tree."""
 
     explore_every: int = 8
-    """Cycles between two explorations of the slower kind of cycle (drafting vs plain)."""
+    """Cycles between two explorations of another kind of cycle."""
 
     max_explore_every: int = 64
-    """The exploration interval doubles while the ranking holds, up to this."""
+    """The exploration interval doubles while the best kind holds, up to this."""
 
     lookahead: bool = True
     """Stop rule: keep drafting while a chain below a frontier node could still beat the
@@ -72,9 +73,6 @@ class SpecFitOptions:
     share_drafting: bool = True
     """Keep drafting rates and costs across calls with the same offload runtime and draft."""
 
-    ema: float = 0.3
-    """Weight of the newest cycle in the drafting measurements (EMA / decayed sums)."""
-
     def __post_init__(self) -> None:
         if isinstance(self.cost, Mapping):
             object.__setattr__(self, "cost", _cost_model(self.cost))
@@ -85,8 +83,6 @@ class SpecFitOptions:
             raise ValueError(f"policy_kwargs['max_nodes'] must be >= 1 or None, got {self.max_nodes}")
         if self.explore_every < 1 or self.max_explore_every < 1:
             raise ValueError("policy_kwargs['explore_every'] and ['max_explore_every'] must be >= 1")
-        if not 0 < self.ema <= 1:
-            raise ValueError(f"policy_kwargs['ema'] must be in (0, 1], got {self.ema}")
         _check_calibrator_args(self.acceptance)
 
 

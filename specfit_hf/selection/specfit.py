@@ -15,9 +15,11 @@ After every draft level :meth:`SpecFitPolicy.select` runs the recipe:
    that can pay, with only the children that could ever be verified
    (:class:`~.lookahead.LookAhead`): the drafting width is part of the decision.
 
-Before drafting (the empty tree) the drafting gate decides whether this cycle drafts at
-all (:class:`~.gate.DraftingGate`): the policy degrades to plain decoding when the draft
-is too slow or too inaccurate for the link.  After verification (:meth:`observe`) each
+Before drafting (the empty tree) the drafting gate picks the kind of cycle
+(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1-4 levels, or the
+adaptive tree above, whichever measurably delivers the most tokens per second here --
+so the policy degrades to plain decoding or a short chain wherever the draft, link or
+host make those faster, and runs the tree wherever it pays.  After verification (:meth:`observe`) each
 collaborator learns from the measured cycle.  Options: :class:`~.options.SpecFitOptions`.
 Without an offload runtime there is no expert term.
 """
@@ -38,7 +40,7 @@ from .calibration import calibrate
 from .costs import CycleCostTracker, default_cost_model
 from .experts import make_predictor
 from .forecast import ExpertForecast, root_missing
-from .gate import DraftingGate, drafting_measurements
+from .gate import DraftingGate, chain_kinds, drafting_measurements
 from .lookahead import LookAhead, useful_children
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
@@ -66,6 +68,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.gate: DraftingGate | None = None
         self.lookahead = LookAhead(self.max_depth, getattr(config, "tree_top_k", None), self.options.lookahead)
         self._last: Selection | None = None
+        self._kind = "tree"  # the kind of cycle the gate chose for this cycle
 
     # -------------------------------------------------------------- lifecycle
     def reset(self, ctx: CycleContext) -> None:
@@ -82,8 +85,8 @@ class SpecFitPolicy(SelectionPolicy):
         key = f"{type(self).__name__}:{self.options!r}:{self.max_depth}"
         drafting = drafting_measurements(ctx.experts, ctx.draft, key, opts.explore_every, opts.share_drafting)
         self.costs = CycleCostTracker(initial, drafting, opts.online_cost)
-        self.gate = DraftingGate(drafting, opts.adaptive_drafting, opts.explore_every, opts.max_explore_every,
-                                 opts.ema)
+        self.gate = DraftingGate(drafting, opts.adaptive_drafting, chain_kinds(self.max_depth), opts.explore_every,
+                                 opts.max_explore_every)
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
@@ -102,6 +105,8 @@ class SpecFitPolicy(SelectionPolicy):
             self.reset(ctx)
         if len(tree) == 0:
             return self._before_drafting(tree)
+        if self._kind != "tree":
+            return self._chain_cycle(tree, int(self._kind.split(":")[1]))
         path = self.acceptance.path(tree)
         root_predicted = self.forecast.root_missing(tree)
         cost = self.costs.cycle_model(tree.num_levels, len(tree), root_predicted)
@@ -116,6 +121,21 @@ class SpecFitPolicy(SelectionPolicy):
                             self._cycle_models(root_predicted), threshold)
         self._last = sel
         return sel
+
+    def _chain_cycle(self, tree: DraftTree, depth: int) -> Selection:
+        """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all (figures at the end only)."""
+        n = len(tree)
+        nodes = torch.arange(n, dtype=torch.long)
+        if tree.num_levels < min(depth, self.max_depth) and n == tree.num_levels:
+            return Selection(nodes=nodes, stop=False, expand=torch.tensor([n - 1]), children=1)
+        path = self.acceptance.path(tree)
+        root_predicted = self.forecast.root_missing(tree)
+        missing = self.forecast.chain_missing(tree) if n == tree.num_levels else None
+        cost = self.costs.cycle_model(tree.num_levels, n, root_predicted)
+        expected = 1.0 + float(path.sum())
+        seconds = cost.predict(n + 1, root_predicted if missing is None else int(missing[-1]))
+        return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
+                         throughput=expected / seconds, stop=True)
 
     def _select_chain(self, tree: DraftTree, path: np.ndarray, cost: CostModel) -> Selection:
         """:meth:`select` for a chain: the same recipe, where every closed set is a prefix.
@@ -138,9 +158,13 @@ class SpecFitPolicy(SelectionPolicy):
         plain_missing = self.forecast.plain_step_missing(tree)
         cost = self.costs.cycle_model(0, 0, plain_missing)
         predicted = cost.predict(1, plain_missing)
-        stop = self.max_depth < 1 or self.gate.skip_drafting()
-        children = useful_children(1.0, self.acceptance.rank_acceptance(), self._useful_path(cost, None, predicted),
-                                   self.lookahead.frontier_width or 1)
+        self._kind = self.gate.choose()
+        stop = self.max_depth < 1 or self._kind == "plain"
+        if self._kind == "tree":
+            children = useful_children(1.0, self.acceptance.rank_acceptance(),
+                                       self._useful_path(cost, None, predicted), self.lookahead.frontier_width or 1)
+        else:
+            children = 1
         return Selection(nodes=_EMPTY, expected_tokens=1.0, predicted_time=predicted, stop=stop, children=children)
 
     def _cycle_models(self, root_predicted: int) -> Callable[[int, int], CostModel]:
@@ -212,9 +236,10 @@ class SpecFitPolicy(SelectionPolicy):
         if routing is not None and cached is not None and self.forecast.current.tree is tree:
             root_loads = root_missing(routing[0], cached)  # what a plain step would have loaded now
         self.costs.observe(tree, selection, record, added, root_loads)
-        if math.isfinite(record.cycle_seconds) and record.cycle_seconds > 0:
-            self.gate.observe(tree.num_levels > 0, record.tokens_committed, record.cycle_seconds,
-                              record.experts_loaded, root_loads, self.costs.model.t_expert)
+        if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
+            self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
+                              record.cycle_seconds, record.experts_loaded, root_loads, self.costs.model.t_expert,
+                              record.nodes_verified)
 
     def report(self) -> dict[str, Any]:
         """Online figures: cost model, cycle-time MAPE, acceptance observations."""
