@@ -566,3 +566,12 @@ def test_chain_cycles_draft_one_child_per_level_and_verify_the_whole_chain():
     assert math.isfinite(sel.predicted_time) and sel.expected_tokens > 1.0
     policy.gate.choose = lambda: "plain"
     assert policy.select(DraftTree(root_token=5), ctx).stop
+
+
+def test_cycle_model_stays_valid_when_the_root_is_predicted_to_miss_a_lot():
+    config, ctx = _ctx(cost=CostModel(t0=0.001, t_token=0.0, t_expert=0.002))
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    policy.costs.fit = OnlineCostModel(CostModel(t0=0.001, t_token=0.0, t_expert=0.002))
+    model = policy.costs.cycle_model(0, 0, root_predicted=50)  # more predicted than t0 can take back
+    assert model.t0 > 0 and model.predict(1, 50) > 0

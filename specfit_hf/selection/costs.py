@@ -111,7 +111,7 @@ class CycleCostTracker:
         ``T(S) = t0 + drafting + t_expert * (root loads + g |S| + b * added(S)) + t_token *
         (|S| + 1)``, ``added(S)``: the misses predicted for ``S`` beyond the root's, written
         for a search that counts the root's ``root_predicted`` predicted misses in every set
-        (taken back out of ``t0``, which stays >= 0).
+        (taken back out of ``t0``, which stays > 0 so the model stays valid when ``t_token`` fits to 0).
         """
         key = (levels, nodes, root_predicted)
         model = self._models.get(key)
@@ -119,7 +119,7 @@ class CycleCostTracker:
             c = self.model
             g, b = self.node_loads
             t0 = c.t0 + self.draft.predict(levels, nodes) + c.t_expert * (self.root_loads - g - b * root_predicted)
-            model = CostModel(max(t0, 0.0), c.t_token + c.t_expert * g, c.t_expert * b)
+            model = CostModel(max(t0, 1e-9), c.t_token + c.t_expert * g, c.t_expert * b)
             self._models[key] = model
         return model
 
