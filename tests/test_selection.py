@@ -449,10 +449,10 @@ def test_gate_charges_transfers_at_the_current_root_rate():
     gate.observe("chain:2", 3, 0.025 + 3 * t_exp, loads=3, root_loads=1, t_expert=t_exp, nodes=2)
     root = gate.state.root_loads
     assert root == pytest.approx(0.7 * root_then + 0.3 * 1)
-    # every kind pays transfers at the current mean: a node loads kappa root loads, kappa measured then
-    kappa = 2 / (root_then * 2)
+    # every kind pays transfers at the current mean: a node loads kappa (root mean + 0.5), kappa measured then
+    kappa = 2 / ((root_then + 0.5) * 2)
     assert gate.rate("plain") == pytest.approx(1.75 / (0.0175 + t_exp * root * 1.75))
-    assert gate.rate("chain:2") == pytest.approx(3 / (0.025 + t_exp * root * (1 + kappa * 2)))
+    assert gate.rate("chain:2") == pytest.approx(3 / (0.025 + t_exp * (root + kappa * (root + 0.5) * 2)))
     # without loads a cycle keeps its transfers in its seconds
     bare = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
     bare.observe("plain", 1, 0.034)

@@ -24,11 +24,12 @@ plain step at half cache loads 0 to 5 experts by routing luck, and the first cyc
 a call load more than later ones, so raw rates of a few cycles would rank routing luck
 and generation phase.  Instead every cycle reports the experts its *root* alone loaded
 (in a drafting cycle: the root's routing against the residents before the verify) and
-the extra loads of its verified nodes.  A verified node loads what a root would in the
-same cache state, times a kind's ratio ``kappa`` (a node shares experts with its
-parent), so every kind is charged ``t_expert * m * (cycles + kappa * nodes)`` with ``m``
-the *current* running mean of root loads: kinds measured in a cold phase and kinds
-measured in a warm one compare as if measured now.
+the extra loads of its verified nodes.  A verified node loads about what a root would in
+the same cache state, times a ratio ``kappa`` measured over all kinds (a node shares
+experts with its parent), so every kind is charged ``t_expert * (m * cycles + kappa *
+(m + 0.5) * nodes)`` with ``m`` the *current* running mean of root loads (the 0.5 keeps
+a nearly warm cache's rare node misses from dividing by zero): kinds measured in a cold
+phase and kinds measured in a warm one compare as if measured now.
 
 These measurements belong to the host, link, cache and draft:
 :func:`drafting_measurements` shares them between ``generate`` calls on the same
@@ -127,6 +128,7 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.25  # weight of a kind's newest cycle in its decayed sums
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
+_ROOT_FLOOR = 0.5  # loads added to the root mean when pricing nodes: a warm cache still misses now and then
 
 
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
@@ -169,14 +171,16 @@ class DraftingGate:
         """:meth:`rate` of every kind measured so far."""
         state = self.state
         sums = state.sums
+        # one ratio for every kind: a node's loads follow the cache, not the kind of cycle,
+        # and pooling keeps a few noisy cycles from pricing one kind out
         total_extra = sum(float(s[3]) for s in sums.values())
         total_root_nodes = sum(float(s[5]) for s in sums.values())
-        shared_kappa = total_extra / total_root_nodes if total_root_nodes > 0.5 else 1.0
-        per_load = state.t_expert * (state.root_loads or 0.0)
+        kappa = total_extra / total_root_nodes if total_root_nodes > 0 else 1.0
+        m = state.root_loads or 0.0
         out = {}
-        for kind, (tokens, seconds, cycles, extra, nodes, root_nodes) in sums.items():
-            kappa = extra / root_nodes if root_nodes > 0.5 else shared_kappa
-            out[kind] = float(tokens / max(seconds + per_load * (cycles + kappa * nodes), 1e-12))
+        for kind, (tokens, seconds, cycles, _, nodes, _) in sums.items():
+            transfers = state.t_expert * (m * cycles + kappa * (m + _ROOT_FLOOR) * nodes)
+            out[kind] = float(tokens / max(seconds + transfers, 1e-12))
         return out
 
     def best(self) -> str:
@@ -226,7 +230,7 @@ class DraftingGate:
         """
         state = self.state
         extra = 0.0
-        root_nodes = (state.root_loads or 0.0) * nodes  # what the nodes' loads are relative to
+        root_nodes = ((state.root_loads or 0.0) + _ROOT_FLOOR) * nodes  # what the nodes' loads are relative to
         if loads is not None:
             root = loads if root_loads is None or kind == "plain" else min(root_loads, loads)
             seconds = max(seconds - t_expert * loads, 0.0)
