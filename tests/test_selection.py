@@ -410,6 +410,7 @@ def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
 
 
 def test_gate_rates_are_decayed_sums_and_drafting_cost_is_fitted():
+    import specfit_hf.selection.gate as gate_module
     from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
 
     gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
@@ -417,8 +418,9 @@ def test_gate_rates_are_decayed_sums_and_drafting_cost_is_fitted():
     gate.observe("tree", 2, 0.02)
     gate.observe("tree", 2, 0.06)
     gate.observe("plain", 1, 0.03)
-    # ratio of decayed sums (newest weight 1, older ones x0.75): not a mean of per-cycle rates
-    assert gate.rate("tree") == pytest.approx(3.5 / 0.075)
+    # ratio of decayed sums (newest weight 1, older ones x(1 - ema)): not a mean of per-cycle rates
+    w = 1 - gate_module._KIND_EMA
+    assert gate.rate("tree") == pytest.approx((2 * w + 2) / (0.02 * w + 0.06))
     assert gate.rate("plain") == pytest.approx(1 / 0.03)
     assert gate.best() == "tree"
 
@@ -485,7 +487,7 @@ def test_gate_measures_every_kind_then_runs_the_best_and_backs_off_exploring():
     assert seq[6:].count("tree") < seq[6:].count("plain")
     # the text changes: the tree now pays most; the next exploration of it flips the best kind
     intervals.clear()
-    seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (6, 0.1)}, 60)
+    seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (6, 0.1)}, 150)
     assert seq[-10:].count("tree") >= 8
     assert 4 in intervals  # the flip reset the interval
 

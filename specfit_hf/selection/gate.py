@@ -90,7 +90,8 @@ class DraftingMeasurements:
     experts a root alone loads; ``t_expert``: seconds per load the rates charge.
     ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploration and
     the cycles until the next; ``exploring`` / ``explore_left``: the kind of the burst
-    under way and its cycles left; ``best_before``: the best kind when it started.
+    under way and its cycles left; ``best_before``: the best kind when it started;
+    ``current``: the kind running as the best.
     """
 
     interval: int
@@ -106,6 +107,7 @@ class DraftingMeasurements:
     exploring: str | None = None
     explore_left: int = 0
     best_before: str | None = None
+    current: str | None = None
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -126,7 +128,8 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
 
 
 _BURST = 2  # cycles of a kind per measurement burst
-_KIND_EMA = 0.25  # weight of a kind's newest cycle in its decayed sums
+_KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
+_SWITCH = 1.05  # another kind must be this much faster to replace the one running
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _ROOT_FLOOR = 0.5  # loads added to the root mean when pricing nodes: a warm cache still misses now and then
 
@@ -202,6 +205,9 @@ class DraftingGate:
             return state.exploring
         rates = self.rates()
         best = max(self.kinds, key=lambda k: rates.get(k, 0.0))
+        if state.current in rates and rates[best] < _SWITCH * rates[state.current]:
+            best = state.current  # hysteresis: a kind within a few percent does not unseat the one running
+        state.current = best
         if state.cycle - state.explored_at >= state.interval:
             # the kind measured longest ago, discounted by how far behind it was: a kind at half
             # the best rate is re-measured a quarter as often (it would take a big change to win)
