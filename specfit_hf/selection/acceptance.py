@@ -272,12 +272,11 @@ class AcceptanceModel:
             return done
         parents = tree.parents.numpy()
         new = np.arange(done.size, len(tree))
-        if new.size == 1:  # a chain's level: an only child, rank 0
-            node = self.calibrator(tree.draft_probs.numpy()[new], tree.depths.numpy()[new], np.zeros(1, np.int64))
-        else:
-            # a new node's siblings are new too (a level adds whole sibling groups), so ranks are local
-            ranks = _ranks(parents[new], tree.draft_probs.numpy()[new])
-            node = self.calibrator(tree.draft_probs[done.size:], tree.depths[done.size:], ranks)
+        probs = tree.draft_probs.numpy()[new]
+        # a new node's siblings are new too (a level adds whole sibling groups), so ranks are local;
+        # a chain's level is an only child, rank 0
+        ranks = np.zeros(1, np.int64) if new.size == 1 else _ranks(parents[new], probs)
+        node = self.calibrator(probs, tree.depths.numpy()[new], ranks)
         out = np.concatenate([done, np.asarray(node, dtype=np.float64)])
         for v in new:  # parents precede children
             par = parents[v]

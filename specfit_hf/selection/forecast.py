@@ -148,21 +148,28 @@ def root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:
     return int((~cached[pairs[0], pairs[1]]).sum())
 
 
+def _after_root(root: np.ndarray, cached: np.ndarray | None, num_experts: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(per-layer id offsets ``[L, 1]``, flat costly mask with the root's experts paid, the root's misses).
+
+    A node set pays for the costly (non-resident) experts it adds; the root pays for its own
+    whatever is verified, so they are taken out of what a node can add.
+    """
+    off = (np.arange(root.shape[0]) * num_experts)[:, None]
+    costly = np.ones(root.shape[0] * num_experts, dtype=bool) if cached is None else ~cached.reshape(-1)
+    root_ids = np.unique((root + off)[root >= 0])
+    missing = int(costly[root_ids].sum())
+    costly[root_ids] = False
+    return off, costly, missing
+
+
 class MissingCounter:
     """Predicted missing experts of node sets (the search's expert term, for the look-ahead)."""
 
     def __init__(self, experts: tuple[np.ndarray, np.ndarray], cached: np.ndarray | None) -> None:
         nodes, root = experts
-        num_layers = root.shape[0]
         num_experts = cached.shape[1] if cached is not None else int(max(nodes.max(initial=0), root.max(initial=0))) + 1
-        off = (np.arange(num_layers) * num_experts)[:, None]
+        off, self.costly, self.root_missing = _after_root(root, cached, num_experts)
         self.ids = np.where(nodes >= 0, nodes + off[None], -1).reshape(nodes.shape[0], -1)
-        resident = np.zeros(num_layers * num_experts, dtype=bool) if cached is None else cached.reshape(-1)
-        root_ids = np.unique((root + off)[root >= 0])
-        self.root_missing = int((~resident[root_ids]).sum())
-        costly = ~resident
-        costly[root_ids] = False  # the root pays for these anyway
-        self.costly = costly
 
     def count(self, mask: np.ndarray) -> int:
         """Misses of verifying the root and the nodes in ``mask``."""
@@ -175,11 +182,8 @@ class _ChainMisses:
     """Prefix misses of a chain, extended node by node (each adds the costly experts no one before it brought)."""
 
     def __init__(self, root: np.ndarray, cached: np.ndarray) -> None:
-        self.off = np.arange(root.shape[0])[:, None] * cached.shape[1]
-        self.costly = ~cached.reshape(-1)
-        root_ids = (root + self.off)[root >= 0]
-        self.out = [int(self.costly[np.unique(root_ids)].sum())]
-        self.costly[root_ids] = False  # the root pays for these; an expert is paid once
+        self.off, self.costly, root_missing = _after_root(root, cached, cached.shape[1])
+        self.out = [root_missing]
 
     def extend(self, nodes: np.ndarray) -> np.ndarray:
         for k in range(len(self.out) - 1, nodes.shape[0]):
@@ -188,4 +192,3 @@ class _ChainMisses:
             self.costly[new] = False
             self.out.append(self.out[-1] + new.size)
         return np.array(self.out, dtype=np.int64)
-

@@ -186,9 +186,9 @@ class DraftingGate:
             out[kind] = float(tokens / max(seconds + transfers, 1e-12))
         return out
 
-    def best(self) -> str:
-        """The measured fastest kind (kinds not measured yet rank last)."""
-        rates = self.rates()
+    def best(self, rates: dict[str, float] | None = None) -> str:
+        """The measured fastest kind (kinds not measured yet rank last); ``rates``: :meth:`rates` if at hand."""
+        rates = self.rates() if rates is None else rates
         return max(self.kinds, key=lambda k: (k in rates, rates.get(k, 0.0)))
 
     def choose(self) -> str:
@@ -204,7 +204,7 @@ class DraftingGate:
             state.explore_left -= 1
             return state.exploring
         rates = self.rates()
-        best = max(self.kinds, key=lambda k: rates.get(k, 0.0))
+        best = self.best(rates)
         if state.current in rates and rates[best] < _SWITCH * rates[state.current]:
             best = state.current  # hysteresis: a kind within a few percent does not unseat the one running
         state.current = best

@@ -70,13 +70,12 @@ class LookAhead:
         expand = frontier[chosen[frontier]]  # the newest level already pays: its children may too
         if self.enabled:
             missing = MissingCounter(experts, cached) if experts is not None else None
-            remaining = self.max_depth - level
-            gains = np.cumsum(ranks[0] ** np.arange(1, remaining + 1))
+            gains = np.cumsum(ranks[0] ** np.arange(1, self.max_depth - level + 1))
             others = [int(v) for v in frontier if not chosen[v]]
             for v in others:
                 children = useful_children(float(path[v]), ranks, threshold, width)
-                costs = [cycle_model(level + h, len(tree) + h * children) for h in range(1, remaining + 1)]
-                if self._chain_pays(tree, v, chosen, path, missing, gains, costs, sel.throughput):
+                if self._chain_pays(tree, v, chosen, path, missing, gains, sel.throughput,
+                                    lambda h: cycle_model(level + h, len(tree) + h * children)):
                     expand = np.append(expand, v)
         if expand.size == 0:
             return
@@ -100,18 +99,13 @@ class LookAhead:
         ranks = acceptance.rank_acceptance()
         pays = len(sel) == n  # the optimum holds the newest node: its children may pay too
         if not pays and self.enabled:
-            remaining = self.max_depth - level
-            gains = np.cumsum(ranks[0] ** np.arange(1, remaining + 1))
+            gains = np.cumsum(ranks[0] ** np.arange(1, self.max_depth - level + 1))
             children = useful_children(float(path[v]), ranks, threshold, width)
-            e = 1.0 + float(path.sum())
             miss = child_misses = 0
             if missing is not None:
                 miss, child_misses = int(missing[n]), int(missing[n] - missing[n - 1])
-            for h in range(1, remaining + 1):
-                cost = cycle_model(level + h, n + h * children)
-                if (e + path[v] * gains[h - 1]) / cost.predict(n + h + 1, miss + h * child_misses) > sel.throughput:
-                    pays = True
-                    break
+            pays = _extension_pays(1.0 + float(path.sum()), n, float(path[v]), miss, child_misses, gains,
+                                   sel.throughput, lambda h: cycle_model(level + h, n + h * children))
         if not pays:
             return
         sel.stop = False
@@ -120,12 +114,10 @@ class LookAhead:
 
     @staticmethod
     def _chain_pays(tree: DraftTree, v: int, chosen: np.ndarray, path: np.ndarray, missing: MissingCounter | None,
-                    gains: np.ndarray, costs: list[CostModel], base: float) -> bool:
+                    gains: np.ndarray, base: float, cost_of: Callable[[int], CostModel]) -> bool:
         """Whether a chain of some length below ``v`` (with its ancestors) beats throughput ``base``."""
         mask = chosen.copy()
         mask[tree.ancestors(v)] = True
-        e = 1.0 + float(path[mask].sum())
-        size = int(mask.sum())
         miss = child_misses = 0
         if missing is not None:
             # a child is assumed to add what v adds to the rest of the set
@@ -133,7 +125,16 @@ class LookAhead:
             without = mask.copy()
             without[v] = False
             child_misses = miss - missing.count(without)
-        for h, cost in enumerate(costs, start=1):
-            if (e + path[v] * gains[h - 1]) / cost.predict(size + h + 1, miss + h * child_misses) > base:
-                return True
-        return False
+        return _extension_pays(1.0 + float(path[mask].sum()), int(mask.sum()), float(path[v]), miss, child_misses,
+                               gains, base, cost_of)
+
+
+def _extension_pays(expected: float, size: int, p_v: float, misses: int, child_misses: int, gains: np.ndarray,
+                    base: float, cost_of: Callable[[int], CostModel]) -> bool:
+    """Whether a set of ``size`` nodes (``expected`` tokens, ``misses``), extended by a chain of ``h`` children
+    below its node of path acceptance ``p_v`` (``gains[h-1]`` accepted per unit of ``p_v``, ``child_misses``
+    each, priced by ``cost_of(h)``), beats throughput ``base`` for some ``h``."""
+    for h in range(1, gains.size + 1):
+        if (expected + p_v * gains[h - 1]) / cost_of(h).predict(size + h + 1, misses + h * child_misses) > base:
+            return True
+    return False

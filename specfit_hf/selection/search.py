@@ -435,24 +435,8 @@ class SearchProblem:
         return selected
 
     def _closed_subsets(self, limit: int | None = None) -> np.ndarray | None:
-        """Every ancestor-closed subset as a ``[count, n]`` bool array, or ``None`` past ``limit`` of them
-        (default ``_ENUMERATE_SETS``).
-
-        Grown node by node (parents first): each set holding ``v``'s parent spawns a copy with
-        ``v``.  A chain of ``n`` nodes has ``n + 1`` closed subsets, a bushy tree far more.
-        """
-        n = self.n
-        limit = _ENUMERATE_SETS if limit is None else limit
-        if n > 62:
-            return None
-        bits = np.zeros(1, dtype=np.int64)
-        for v in range(n):
-            par = self.parents[v]
-            grown = bits if par < 0 else bits[(bits >> par) & 1 == 1]
-            bits = np.concatenate([bits, grown | (1 << v)])
-            if bits.size > limit:
-                return None
-        return ((bits[:, None] >> np.arange(n)) & 1).astype(bool)
+        """:func:`closed_subset_masks` of this tree (``limit`` default ``_ENUMERATE_SETS``)."""
+        return closed_subset_masks(self.parents, _ENUMERATE_SETS if limit is None else limit)
 
     def _enumerate(self, masks: np.ndarray) -> np.ndarray:
         """The best of the closed subsets ``masks`` (``[count, n]`` bool), scored at once."""
@@ -552,6 +536,26 @@ def select_subtree(
     return _selection(problem, selected)
 
 
+def closed_subset_masks(parents: np.ndarray, limit: int) -> np.ndarray | None:
+    """Every ancestor-closed subset of a tree (``parents[v] < v``) as a ``[count, n]`` bool array, or ``None``
+    past ``limit`` of them.
+
+    Grown node by node (parents first): each set holding ``v``'s parent spawns a copy with
+    ``v``.  A chain of ``n`` nodes has ``n + 1`` closed subsets, a bushy tree far more.
+    """
+    n = parents.size
+    if n > 62:
+        return None
+    bits = np.zeros(1, dtype=np.int64)
+    for v in range(n):
+        par = parents[v]
+        grown = bits if par < 0 else bits[(bits >> par) & 1 == 1]
+        bits = np.concatenate([bits, grown | (1 << v)])
+        if bits.size > limit:
+            return None
+    return ((bits[:, None] >> np.arange(n)) & 1).astype(bool)
+
+
 def _select_small(parents: Any, path_prob: Any, node_experts: Any | None, root_experts: Any | None,
                   cached: Any | None, cost: CostModel) -> Selection | None:
     """:func:`select_subtree` for the small trees most cycles draft, or ``None`` to take the general path.
@@ -578,12 +582,8 @@ def _select_small(parents: Any, path_prob: Any, node_experts: Any | None, root_e
             return None
         if max(node_experts.max(initial=-1), root_experts.max(initial=-1)) >= cached.shape[1]:
             return None
-    bits = [0]
-    for v in range(n):
-        par = int(parents[v])
-        bits += [b | (1 << v) for b in bits if par < 0 or (b >> par) & 1]
-    masks = (np.array(bits, dtype=np.int64)[:, None] >> np.arange(n)) & 1
-    missing = np.zeros(len(bits))
+    masks = closed_subset_masks(parents, 1 << n).astype(np.float64)
+    missing = np.zeros(masks.shape[0])
     if node_experts is not None:
         cached = np.asarray(cached, dtype=bool)
         num_experts = cached.shape[1]

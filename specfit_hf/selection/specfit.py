@@ -111,7 +111,7 @@ class SpecFitPolicy(SelectionPolicy):
         root_predicted = self.forecast.root_missing(tree)
         cost = self.costs.cycle_model(tree.num_levels, len(tree), root_predicted)
         if len(tree) == tree.num_levels:  # a chain (one node per level): prefixes only, in one pass
-            return self._select_chain(tree, path, cost)
+            return self._select_chain(tree, path, cost, root_predicted)
         candidates = self._prune(tree, path, cost)
         newest = np.nonzero(tree.depths.numpy() == tree.num_levels)[0]
         experts = self.forecast.nodes(tree, np.union1d(candidates, newest))  # the look-ahead reads the frontier
@@ -137,7 +137,7 @@ class SpecFitPolicy(SelectionPolicy):
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=expected / seconds, stop=True)
 
-    def _select_chain(self, tree: DraftTree, path: np.ndarray, cost: CostModel) -> Selection:
+    def _select_chain(self, tree: DraftTree, path: np.ndarray, cost: CostModel, root_predicted: int) -> Selection:
         """:meth:`select` for a chain: the same recipe, where every closed set is a prefix.
 
         Most drafting cycles grow a chain (a draft rarely earns a second child), and this
@@ -146,9 +146,9 @@ class SpecFitPolicy(SelectionPolicy):
         candidates = self._prune(tree, path, cost)  # a prefix: path acceptance only falls along the chain
         missing = self.forecast.chain_missing(tree)
         sel = select_chain(path, missing, cost, candidates.size)
-        threshold = self._useful_path(cost, self.forecast.root_missing(tree))
-        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance,
-                                  self._cycle_models(self.forecast.root_missing(tree)), threshold)
+        threshold = self._useful_path(cost, root_predicted)
+        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance, self._cycle_models(root_predicted),
+                                  threshold)
         self._last = sel
         return sel
 
