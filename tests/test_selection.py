@@ -478,13 +478,14 @@ def test_gate_measures_every_kind_then_runs_the_best_and_backs_off_exploring():
         return seq
 
     seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (2, 0.1)}, 80)  # chain:1 is best (40 tok/s)
-    assert seq[:6] == ["plain", "plain", "chain:1", "chain:1", "tree", "tree"]  # a burst of each kind first
-    starts = [i for i in range(6, 80) if seq[i] != "chain:1" and (i == 6 or seq[i - 1] == "chain:1")]
+    # each kind first: the plain step and chains once (their tokens are modelled), the tree over a burst
+    assert seq[:4] == ["plain", "chain:1", "tree", "tree"]
+    starts = [i for i in range(4, 80) if seq[i] != "chain:1" and (i == 4 or seq[i - 1] == "chain:1")]
     assert all(seq[i:i + 2] == [seq[i]] * 2 for i in starts)  # explorations are bursts of 2
     assert np.diff(starts).tolist()[:2] == [8, 16] and max(np.diff(starts)) == 16  # 4 -> 8 -> 16 (capped)
     assert gate.state.interval == 16
-    # far slower kinds are explored less: tree (20 tok/s) less often than plain (33 tok/s)
-    assert seq[6:].count("tree") < seq[6:].count("plain")
+    # a chain teaches all about plain steps (one token each, cost measured): only the tree is re-measured
+    assert seq[4:].count("plain") == 0 and seq[4:].count("tree") > 0
     # the text changes: the tree now pays most; the next exploration of it flips the best kind
     intervals.clear()
     seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (6, 0.1)}, 150)
@@ -503,8 +504,8 @@ def test_search_charges_measured_root_and_node_loads():
     tree = DraftTree(root_token=5)
     tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
     # 2 layers, top-1; nothing resident: root 2 + node 2 predicted misses
-    pred = policy.forecast.current = _TreePredictions(tree, np.array([[0], [1]]), np.zeros((2, 4), dtype=bool))
-    pred.nodes = np.array([[[2], [3]]])
+    pred = policy.forecast.current = _TreePredictions(tree, np.zeros((2, 4), dtype=bool))
+    pred.root, pred.nodes = np.array([[0], [1]]), np.array([[[2], [3]]])
     sel = Selection(nodes=torch.tensor([0]))
     assert policy.forecast.selection_missing(tree, sel) == 4
     record = CycleRecord(nodes_drafted=1, nodes_verified=1, tokens_accepted=1, tokens_committed=2,
@@ -577,3 +578,88 @@ def test_cycle_model_stays_valid_when_the_root_is_predicted_to_miss_a_lot():
     policy.costs.fit = OnlineCostModel(CostModel(t0=0.001, t_token=0.0, t_expert=0.002))
     model = policy.costs.cycle_model(0, 0, root_predicted=50)  # more predicted than t0 can take back
     assert model.t0 > 0 and model.predict(1, 50) > 0
+
+
+def test_gate_ranks_every_chain_by_one_acceptance_per_depth():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:1", "chain:2", "tree"], 8, 64)
+    # chain:1 ran while the text was hard (nothing accepted), chain:2 later while it was easy
+    for _ in range(3):
+        gate.observe("chain:1", 1, 0.02, nodes=1, accepted=0)
+    for _ in range(30):
+        gate.observe("chain:2", 3, 0.03, nodes=2, accepted=2)
+    p = gate.depth_acceptance()
+    assert p[0] > 0.85 and p[1] > 0.85  # the recent cycles decide the acceptance of depths 1 and 2
+    tokens = gate.chain_tokens()
+    assert tokens[0] == 1.0 and tokens[1] == pytest.approx(1 + p[0]) and tokens[2] == pytest.approx(1 + p[0] + p[0] * p[1])
+    # both chains are rated at today's acceptance: chain:1's own hard-text cycles no longer rank it
+    figures = gate.cycle_figures()
+    assert figures["chain:1"][0] == pytest.approx(tokens[1]) and figures["chain:2"][0] == pytest.approx(tokens[2])
+    assert gate.rate("chain:1") == pytest.approx(tokens[1] / 0.02)
+
+
+def test_probe_drafts_a_chain_verifies_the_root_and_learns_from_the_tokens_that_follow():
+    from specfit_hf.selection.gate import PROBE, PROBE_DEPTH
+
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), expert_predictor="none")
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    policy.gate.choose = lambda: PROBE
+    tree = DraftTree(root_token=5)
+    sel = policy.select(tree, ctx)
+    assert not sel.stop and sel.children == 1
+    tokens = [10, 11, 12, 13][:PROBE_DEPTH]
+    for level, token in enumerate(tokens):
+        parent = torch.tensor([level - 1])
+        tree.add_level(torch.tensor([token]), parent, torch.tensor([0.5]))
+        sel = policy.select(tree, ctx)
+        if level + 1 < PROBE_DEPTH:
+            assert not sel.stop and sel.expand.tolist() == [level] and sel.children == 1
+    assert sel.stop and sel.nodes.numel() == 0  # the root alone is verified
+    record = CycleRecord(nodes_drafted=PROBE_DEPTH, nodes_verified=0, tokens_accepted=0, tokens_committed=1,
+                         cycle_seconds=0.02, draft_seconds=0.005, select_seconds=0.0, verify_seconds=0.015,
+                         levels_drafted=PROBE_DEPTH)
+    before = policy.gate.state.depth_slow.copy()
+    # the target commits 10 (the probe's first token): depth 1 accepted, depth 2 waits for the next token
+    policy.observe(tree, sel, VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[10], bonus_token=10),
+                   record)
+    grown = policy.gate.state.depth_slow - before * (1 - 0.01)
+    assert grown[1, 0] == pytest.approx(1.0) and grown[0, 0] == pytest.approx(1.0) and grown[1, 1] == 0.0
+    # the next cycle (plain) commits 99: depth 2 was tried and rejected; nothing deeper is tried
+    policy.gate.choose = lambda: "plain"
+    plain_tree = DraftTree(root_token=10)
+    plain_sel = policy.select(plain_tree, ctx)
+    before = policy.gate.state.depth_slow.copy()
+    plain_record = CycleRecord(nodes_drafted=0, nodes_verified=0, tokens_accepted=0, tokens_committed=1,
+                               cycle_seconds=0.015, draft_seconds=0.0, select_seconds=0.0, verify_seconds=0.015)
+    policy.observe(plain_tree, plain_sel,
+                   VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[99], bonus_token=99), plain_record)
+    grown = policy.gate.state.depth_slow - before * (1 - 0.01)
+    if PROBE_DEPTH >= 2:
+        assert grown[1, 1] == pytest.approx(1.0) and grown[0, 1] == pytest.approx(0.0)
+    assert not policy._shadow
+    assert policy.gate.state.counts[PROBE] == 1 and policy.gate.state.counts["plain"] == 1
+
+
+def test_gate_probes_instead_of_verifying_chains_while_plain_decoding_is_best():
+    from specfit_hf.selection.gate import PROBE, DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=4), True, ["plain", "chain:1", "chain:2", "tree"], 4, 16)
+    seq = []
+    for _ in range(60):
+        kind = gate.choose()
+        seq.append(kind)
+        if kind == "plain":
+            gate.observe(kind, 1, 0.01)
+        elif kind == PROBE:
+            gate.observe(kind, 1, 0.012)
+            gate.record_depth(1, False)
+        elif kind == "tree":
+            gate.observe(kind, 1, 0.05, nodes=3)
+        else:
+            h = int(kind.split(":")[1])
+            gate.observe(kind, 1, 0.01 + 0.01 * h, nodes=h, accepted=0)  # nothing is ever accepted
+    after = seq[5:]  # plain, chain:1, chain:2, tree x2 first
+    assert set(after) == {"plain", PROBE}  # no verified chain or tree while plain decoding is best
+    assert after.count(PROBE) <= 10

@@ -54,8 +54,9 @@ class _DrafterState:
     """Everything that survives between cycles (what a snapshot copies)."""
 
     cache: DraftKVCache
-    pending_tokens: torch.Tensor  # tokens of queued target-feature pairs (root excluded)
-    pending_features: torch.Tensor | None  # [n, 3·H_t]; one more row than pending_tokens
+    pending_tokens: list[int]  # tokens of queued target-feature pairs (root excluded)
+    pending_features: list[torch.Tensor] | None  # [k, 3·H_t] blocks, one more row in all than pending_tokens
+    # (lists: a run of plain steps queues one pair per step, joined once when drafting resumes)
     next_position: int  # position of the first queued pair
     expected_root: int | None  # the bonus token of the last commit
 
@@ -84,7 +85,7 @@ class Eagle3TreeDrafter(Drafter):
 
     # -- helpers ----------------------------------------------------------------------
     def _empty_state(self) -> _DrafterState:
-        return _DrafterState(DraftKVCache(), torch.empty(0, dtype=torch.long), None, 0, None)
+        return _DrafterState(DraftKVCache(), [], None, 0, None)
 
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         """One draft forward over ``m`` rows appended to the cache -> (next hidden, layer output)."""
@@ -127,8 +128,8 @@ class Eagle3TreeDrafter(Drafter):
             positions = torch.arange(n - 1)
             self._run(tokens, hidden, positions, causal_mask(n - 1, 0, self.dtype, self.device))
             st.next_position = n - 1
-        st.pending_tokens = torch.empty(0, dtype=torch.long)
-        st.pending_features = target_features[0, -1:]
+        st.pending_tokens = []
+        st.pending_features = [target_features[0, -1:]]
 
     @torch.no_grad()
     def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
@@ -153,8 +154,8 @@ class Eagle3TreeDrafter(Drafter):
         st = self._state
         if st.expected_root is not None and int(tree.root_token) != st.expected_root:
             raise ValueError(f"tree root {tree.root_token} is not the last committed token {st.expected_root}")
-        tokens = torch.cat([st.pending_tokens, torch.tensor([int(tree.root_token)])])
-        feats = st.pending_features
+        tokens = torch.tensor([*st.pending_tokens, int(tree.root_token)], dtype=torch.long)
+        feats = None if st.pending_features is None else torch.cat(st.pending_features)
         if feats is None or feats.shape[0] != tokens.numel():
             raise RuntimeError("target features and committed tokens are out of step")
         past = st.cache.length
@@ -164,7 +165,7 @@ class Eagle3TreeDrafter(Drafter):
         nxt, out = self._run(tokens, hidden, positions, mask)
         self._stable_len = st.cache.length
         self._root_position = int(positions[-1])
-        st.pending_tokens = torch.empty(0, dtype=torch.long)
+        st.pending_tokens = []
         st.pending_features = None
         st.next_position = self._root_position + 1
         tree.root_hidden = nxt[-1]
@@ -218,20 +219,19 @@ class Eagle3TreeDrafter(Drafter):
         if list(result.new_tokens[:-1]) != [int(tree.tokens[i]) for i in accepted]:
             raise ValueError("result.new_tokens does not start with the accepted nodes' tokens")
         st = self._state
-        acc_tokens = torch.tensor([int(t) for t in result.new_tokens[:-1]], dtype=torch.long)
         if tree is self._tree:
             # Drop every tree slot: keep the committed prefix (which ends with the root pair).
             st.cache.keep(torch.arange(self._stable_len))
-            st.pending_tokens = acc_tokens
-            st.pending_features = feats
+            st.pending_tokens = [int(t) for t in result.new_tokens[:-1]]
+            st.pending_features = [feats]
         else:
             # Nothing was drafted for this root: it is still queued with the older pairs.
             if accepted:
                 raise ValueError("accepted nodes reported for a tree this drafter never expanded")
             if st.expected_root is not None and int(tree.root_token) != st.expected_root:
                 raise ValueError(f"tree root {tree.root_token} is not the last committed token {st.expected_root}")
-            st.pending_tokens = torch.cat([st.pending_tokens, torch.tensor([int(tree.root_token)])])
-            st.pending_features = torch.cat([st.pending_features, feats.to(st.pending_features)])
+            st.pending_tokens.append(int(tree.root_token))
+            st.pending_features.append(feats.to(st.pending_features[-1]))
         st.expected_root = int(result.bonus_token)
         self._tree = None
 

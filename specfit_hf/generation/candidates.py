@@ -79,11 +79,15 @@ class TreeCandidates:
         return int(self.input_ids.shape[1]) - 1
 
 
+# a root-only block's layout (shared, never written to)
+_ROOT_PARENTS, _ROOT_DEPTHS = torch.tensor([-1]), torch.tensor([0])
+_ROOT_PATH_PROBS = torch.ones(1, dtype=torch.float64)
+
+
 def _select_block(tree: DraftTree, nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Block arrays (tokens, parents, depths, path probs) for ``[root] + nodes``."""
     if nodes.numel() == 0:  # a plain step: most cycles where drafting does not pay
-        return (torch.tensor([tree.root_token]), torch.tensor([-1]), torch.tensor([0]),
-                torch.ones(1, dtype=torch.float64))
+        return torch.tensor([tree.root_token]), _ROOT_PARENTS, _ROOT_DEPTHS, _ROOT_PATH_PROBS
     nodes = nodes.reshape(-1).to(torch.long).sort().values
     n = nodes.numel()
     block_of_node = torch.full((len(tree) + 1,), -1, dtype=torch.long)
@@ -126,6 +130,10 @@ def layout_candidates(
             block_parents, prefix_len, dtype=mask_dtype, device=device, max_depth=int(depths.max()),
             prefix_hidden=prefix_hidden,
         )
+    if mask is None:  # a root-only block
+        position_ids = torch.tensor([[root_position]], device=device)
+    else:
+        position_ids = (root_position + depths).to(device)[None]
     return TreeCandidates(
         tree=tree,
         selection=selection,
@@ -133,7 +141,7 @@ def layout_candidates(
         block_parents=block_parents,
         depths=depths,
         path_probs=path_probs,
-        position_ids=(root_position + depths).to(device)[None],
+        position_ids=position_ids,
         attention_mask=mask,
         prefix_len=prefix_len,
     )

@@ -114,6 +114,8 @@ class _StopRule:
         # must see every prefix, so they are checked token by token.
         handled = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
         self.per_token = [c for c in stopping_criteria if not isinstance(c, handled)]
+        # truncation already ends at max_length and eos: only other criteria need a call per cycle
+        self.after_cycle = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
     def truncate(self, sequence: torch.LongTensor, new_tokens: list[int]) -> tuple[list[int], bool]:
         """Tokens to append and whether generation ends after them."""
@@ -135,7 +137,8 @@ class _StopRule:
         return new_tokens, stop
 
     def done(self, sequence: torch.LongTensor, scores) -> bool:
-        return bool(self.criteria(sequence, scores).any())
+        """Whether a criterion truncation does not cover (max time, stop strings, user criteria) ends here."""
+        return bool(self.after_cycle) and bool(StoppingCriteriaList(self.after_cycle)(sequence, scores).any())
 
 
 @torch.no_grad()
@@ -216,7 +219,7 @@ def tree_speculative_decoding(
         sequence = torch.cat([sequence, first[None].to(sequence.device)], dim=1)
         if streamer is not None:
             streamer.put(first.cpu())
-        finished = stop_rule.done(sequence, None)
+        finished = bool(stopping_criteria(sequence, None).any())  # every criterion: nothing was truncated
         root_position = int(positions[0, -1]) + 1
 
         if not finished:

@@ -12,6 +12,8 @@ attention a boolean 4D mask would silently give wrong logits.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -110,8 +112,29 @@ def visibility_to_mask(
     return mask
 
 
+# config -> (layer types, their kwargs) it was read from, and the answer: asked every cycle,
+# and reading the layer types costs about as much as a small tree's whole mask
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _attention_layer_kinds(config) -> tuple[bool, bool, int | None]:
     """(has full-attention layers, has sliding-window layers, the window) from a model config."""
+    key = (tuple(getattr(config, "layer_types", None) or ()), getattr(config, "sliding_window", None))
+    try:
+        known = _KINDS.get(config)
+    except TypeError:  # not weak-referenceable
+        known = None
+    if known is not None and known[0] == key:
+        return known[1]
+    kinds = _read_attention_layer_kinds(config)
+    try:
+        _KINDS[config] = (key, kinds)
+    except TypeError:
+        pass
+    return kinds
+
+
+def _read_attention_layer_kinds(config) -> tuple[bool, bool, int | None]:
     layer_types, kwargs = get_layer_types_and_kwargs(config)
     windows = {kw["sliding_window"] for t, kw in zip(layer_types, kwargs) if t == "sliding_attention"}
     other = sorted(set(layer_types) - {"full_attention", "sliding_attention", "dummy"})

@@ -104,6 +104,11 @@ def accept(
             Must live on ``logits.device``.
         keep_scores: also return the processed / raw score rows of committed tokens.
     """
+    if not do_sample and not keep_scores and candidates.num_nodes == 0 and not (logits_processor or []):
+        # a plain greedy step: the bonus is the root row's argmax (most cycles where drafting does not pay)
+        bonus = int(logits[0].argmax())
+        return AcceptOutput(result=VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[bonus],
+                                                bonus_token=bonus))
     tokens = candidates.input_ids[0].tolist()
     block_parents = candidates.block_parents.tolist()
     children = _children_lists(block_parents)

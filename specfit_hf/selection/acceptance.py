@@ -59,6 +59,7 @@ class AcceptanceCalibrator:
         self.trials = np.zeros((self.groups, self.num_bins))
         self._table = np.tile(centres, (self.groups, 1))
         self._shift = np.zeros(self.groups)  # last fitted logit shift per group (Newton's warm start)
+        self._stale = False  # outcomes were added since the table was fitted
 
     def _bins(self, draft_probs: np.ndarray) -> np.ndarray:
         return np.clip((draft_probs * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
@@ -80,7 +81,7 @@ class AcceptanceCalibrator:
         p = np.asarray(draft_probs.detach().cpu() if isinstance(draft_probs, torch.Tensor) else draft_probs, float)
         d = depths.detach().cpu().numpy() if isinstance(depths, torch.Tensor) else depths
         r = ranks.detach().cpu().numpy() if isinstance(ranks, torch.Tensor) else ranks
-        return self._table[self._group(d, p.size, r), self._bins(p)]
+        return self.table[self._group(d, p.size, r), self._bins(p)]
 
     def update(self, draft_probs, accepted, depths=None, ranks=None) -> None:
         """Add outcomes: ``accepted[i]`` is whether node ``i`` (draft prob ``draft_probs[i]``) was accepted."""
@@ -95,10 +96,14 @@ class AcceptanceCalibrator:
         b = self._bins(p)
         np.add.at(self.accepted, (g, b), a)
         np.add.at(self.trials, (g, b), 1.0)
+        self._stale = True  # refitted when next read: cycles that never read it (plain, fixed chains) skip the fit
+
+    def _fit(self) -> None:
         prior = self._group_prior()
         w = self.trials + self.prior_weight
         rate = (self.accepted + self.prior_weight * prior) / w
         self._table = np.stack([isotonic_regression(rate[i], weights=w[i]).x for i in range(self.groups)])
+        self._stale = False
 
     def _group_prior(self) -> np.ndarray:
         """``[groups, bins]`` prior of each bin: the identity shifted in logit space per group.
@@ -130,6 +135,8 @@ class AcceptanceCalibrator:
     @property
     def table(self) -> np.ndarray:
         """``[groups, bins]`` the current map (a new array after every :meth:`update`)."""
+        if self._stale:
+            self._fit()
         return self._table
 
     @property

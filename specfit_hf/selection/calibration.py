@@ -82,7 +82,8 @@ class OnlineCostModel:
     def __init__(self, initial: CostModel, window: int = 64, min_samples: int = 4, prior_weight: float = 2.0,
                  refit_every: int = 4):
         self.initial = initial
-        self.model = initial
+        self._model = initial
+        self._stale = False  # a refit is due (done when the model is next read)
         self.samples: deque[CostSample] = deque(maxlen=int(window))
         self.min_samples = int(min_samples)
         self.prior_weight = float(prior_weight)
@@ -102,7 +103,24 @@ class OnlineCostModel:
         self._added += 1
         # refit every few cycles: one cycle barely moves a 64-cycle fit, and the fit is host time
         if len(self.samples) >= self.min_samples and (self._added - self.min_samples) % self.refit_every == 0:
-            self.model = fit_cost_model(self.samples, prior=self.initial, prior_weight=self.prior_weight)
+            self._stale = True  # refitted when read: cycles that never read it (plain, fixed chains) skip the fit
+
+    @property
+    def model(self) -> CostModel:
+        """The current fit."""
+        if self._stale:
+            self._model = fit_cost_model(self.samples, prior=self.initial, prior_weight=self.prior_weight)
+            self._stale = False
+        return self._model
+
+    @property
+    def last_fit(self) -> CostModel:
+        """The fit as last made (no refit even if one is due)."""
+        return self._model
+
+    @model.setter
+    def model(self, value: CostModel) -> None:
+        self._model, self._stale = value, False
 
     @property
     def mape(self) -> float:

@@ -90,6 +90,11 @@ class CycleCostTracker:
         return self.fit.model
 
     @property
+    def t_expert(self) -> float:
+        """Seconds per expert load as last fitted (reading it does not refit)."""
+        return self.fit.last_fit.t_expert
+
+    @property
     def draft(self) -> DraftCost:
         """The fitted cost of drafting (shared with later calls on the same runtime and draft)."""
         return self.drafting.draft

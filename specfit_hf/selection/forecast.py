@@ -22,11 +22,11 @@ __all__ = ["ExpertForecast", "MissingCounter", "root_missing"]
 class _TreePredictions:
     """Predicted experts of one cycle's tree, extended level by level (never recomputed)."""
 
-    def __init__(self, tree: DraftTree, root: np.ndarray, cached: np.ndarray) -> None:
+    def __init__(self, tree: DraftTree, cached: np.ndarray) -> None:
         self.tree = tree
-        self.root = root
         self.cached = cached
-        self.nodes = np.zeros((0, *root.shape), dtype=np.int64)
+        self.root: np.ndarray | None = None  # predicted when first asked for
+        self.nodes: np.ndarray | None = None
         self.done = np.zeros(0, dtype=bool)  # which node rows hold predictions
         self.root_missing: int | None = None
         self.chain: _ChainMisses | None = None  # prefix misses while the tree is a chain
@@ -46,12 +46,22 @@ class ExpertForecast:
         self.experts = experts
         self.current: _TreePredictions | None = None
 
+    def snapshot(self, tree: DraftTree) -> np.ndarray | None:
+        """``[L, E]`` the residents of ``tree``'s cycle, read now if this is its first question (no prediction)."""
+        if self.experts is None:
+            return None
+        if self.current is None or self.current.tree is not tree:
+            self.current = _TreePredictions(tree, self.experts.resident())
+        return self.current.cached
+
     def root(self, tree: DraftTree) -> np.ndarray | None:
         """``[L, k]`` predicted experts of ``tree``'s root (a new tree starts the cycle's predictions)."""
         if self.predictor is None:
             return None
-        if self.current is None or self.current.tree is not tree:
-            self.current = _TreePredictions(tree, self.predictor.predict_root(tree), self.experts.resident())
+        self.snapshot(tree)
+        if self.current.root is None:
+            self.current.root = self.predictor.predict_root(tree)
+            self.current.nodes = np.zeros((0, *self.current.root.shape), dtype=np.int64)
         return self.current.root
 
     @property
@@ -110,7 +120,7 @@ class ExpertForecast:
     def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:
         """Predicted misses of verifying the root and ``selection`` (``None`` if not predicted for this tree)."""
         pred = self.current
-        if pred is None or pred.tree is not tree or pred.nodes.shape[0] != len(tree):
+        if pred is None or pred.tree is not tree or pred.nodes is None or pred.nodes.shape[0] != len(tree):
             return None
         mask = np.zeros(len(tree), dtype=bool)
         mask[selection.nodes.numpy()] = True
@@ -119,7 +129,7 @@ class ExpertForecast:
     def verified_block(self, tree: DraftTree, selection: Selection) -> np.ndarray | None:
         """``[1 + n, L, k]`` this cycle's predictions of the verified block (root first), if made for ``tree``."""
         pred = self.current
-        if pred is None or pred.tree is not tree:
+        if pred is None or pred.tree is not tree or pred.root is None:
             return None
         return np.concatenate([pred.root[None], pred.nodes[selection.nodes.numpy()]])
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DraftCost", "DraftingMeasurements", "DraftingGate", "chain_kinds", "drafting_measurements"]
+__all__ = ["PROBE", "DraftCost", "DraftingMeasurements", "DraftingGate", "chain_kinds", "drafting_measurements"]
 
 
 @dataclass
@@ -108,6 +108,9 @@ class DraftingMeasurements:
     explore_left: int = 0
     best_before: str | None = None
     current: str | None = None
+    version: int = 0  # bumped on every change of the measurements (what derived figures are cached against)
+    depth_fast: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))  # [accepted, tried] per depth
+    depth_slow: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -127,11 +130,18 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     return per_key.setdefault(key, fresh)
 
 
+_MAX_CHAIN = 4  # longest fixed chain the gate ranks
+PROBE = "probe"  # a plain step that drafts a chain it does not verify (see DraftingGate._worth_exploring)
+PROBE_DEPTH = 2  # levels a probe drafts
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _ROOT_FLOOR = 0.5  # loads added to the root mean when pricing nodes: a warm cache still misses now and then
+_DEPTH_FAST = 0.1  # per-cycle forgetting of the recent per-depth acceptance (~10 cycles: the text's phase)
+_DEPTH_SLOW = 0.01  # ... of the long-run one, which stands in where recent cycles did not reach a depth
+_DEPTH_PRIOR = 2.0  # pseudo-trials of the long-run acceptance added to the recent counts
+_REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
 
 
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
@@ -141,7 +151,7 @@ def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.nda
 
 def chain_kinds(max_depth: int) -> list[str]:
     """The kinds of cycle the gate ranks: plain, chains of 1..min(4, max_depth) levels, the adaptive tree."""
-    return ["plain", *(f"chain:{h}" for h in range(1, min(4, max_depth) + 1)), "tree"]
+    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_depth) + 1)), "tree"]
 
 
 class DraftingGate:
@@ -164,6 +174,9 @@ class DraftingGate:
         self.explore_every = explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
         self.burst = _BURST
+        # derived figures, computed once per change of the measurements: (state.version, value)
+        self._figures: tuple[int, dict[str, tuple[float, float]]] | None = None
+        self._chain_tokens: tuple[int, np.ndarray | None] | None = None
         state.exploring, state.explore_left = None, 0
 
     def rate(self, kind: str) -> float | None:
@@ -172,7 +185,13 @@ class DraftingGate:
 
     def rates(self) -> dict[str, float]:
         """:meth:`rate` of every kind measured so far."""
+        return {kind: tokens / max(seconds, 1e-12) for kind, (tokens, seconds) in self.cycle_figures().items()}
+
+    def cycle_figures(self) -> dict[str, tuple[float, float]]:
+        """Expected (tokens, seconds) of one cycle of every kind measured so far, as now ranked."""
         state = self.state
+        if self._figures is not None and self._figures[0] == state.version:
+            return self._figures[1]  # asked twice a cycle (choosing, forecasting): one computation
         sums = state.sums
         # one ratio for every kind: a node's loads follow the cache, not the kind of cycle,
         # and pooling keeps a few noisy cycles from pricing one kind out
@@ -180,11 +199,46 @@ class DraftingGate:
         total_root_nodes = sum(float(s[5]) for s in sums.values())
         kappa = total_extra / total_root_nodes if total_root_nodes > 0 else 1.0
         m = state.root_loads or 0.0
+        chain_tokens = self.chain_tokens()
         out = {}
-        for kind, (tokens, seconds, cycles, _, nodes, _) in sums.items():
+        for kind, (tokens, seconds, cycles, _, nodes, _, reference) in sums.items():
             transfers = state.t_expert * (m * cycles + kappa * (m + _ROOT_FLOOR) * nodes)
-            out[kind] = float(tokens / max(seconds + transfers, 1e-12))
+            if chain_tokens is not None and kind.startswith("chain:"):
+                # the same acceptance for every chain: each kind's own cycles ran in other
+                # stretches of the text, whose acceptance differs far more than the kinds do
+                tokens = chain_tokens[int(kind.split(":")[1])] * cycles
+            elif chain_tokens is not None and kind == "tree" and reference > 0:
+                # the tree's tokens relative to the reference chain's when its cycles ran, at today's
+                # acceptance where that is lower (never higher: the tree is a costly bet to make on a guess)
+                tokens *= min(chain_tokens[_REFERENCE] * cycles / reference, 1.0)
+            out[kind] = (float(tokens / cycles), float((seconds + transfers) / cycles))
+        self._figures = (state.version, out)
         return out
+
+    def depth_acceptance(self) -> np.ndarray | None:
+        """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..4``.
+
+        Recent chain cycles (about the last ten) weigh most; where they did not reach a
+        depth, the long-run rate of that depth stands in (``None`` before any chain cycle).
+        """
+        fast, slow = self.state.depth_fast, self.state.depth_slow
+        if slow[1, 0] <= 0:
+            return None
+        overall = slow[0, 0] / slow[1, 0]
+        long_run = (slow[0] + overall) / (slow[1] + 1.0)
+        return (fast[0] + _DEPTH_PRIOR * long_run) / (fast[1] + _DEPTH_PRIOR)
+
+    def chain_tokens(self) -> np.ndarray | None:
+        """Expected tokens per cycle of a chain of ``h`` levels, index ``h`` (0: plain).
+
+        From :meth:`depth_acceptance`; ``None`` before any chain cycle.
+        """
+        version = self.state.version
+        if self._chain_tokens is None or self._chain_tokens[0] != version:
+            p = self.depth_acceptance()
+            tokens = None if p is None else np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(p))])
+            self._chain_tokens = (version, tokens)
+        return self._chain_tokens[1]
 
     def best(self, rates: dict[str, float] | None = None) -> str:
         """The measured fastest kind (kinds not measured yet rank last); ``rates``: :meth:`rates` if at hand."""
@@ -197,8 +251,8 @@ class DraftingGate:
         state.cycle += 1
         if not self.enabled:
             return "tree"
-        for kind in self.kinds:  # measure every kind over a burst first
-            if state.counts.get(kind, 0) < self.burst:
+        for kind in self.kinds:  # measure every kind first: the modelled ones' cost once, the tree over a burst
+            if state.counts.get(kind, 0) < (self.burst if kind == "tree" else 1):
                 return kind
         if state.exploring is not None and state.explore_left > 0:
             state.explore_left -= 1
@@ -215,7 +269,7 @@ class DraftingGate:
                 ratio = rates.get(k, 0.0) / max(rates[best], 1e-12)
                 return (state.cycle - state.last_run.get(k, -1)) * ratio * ratio
 
-            kind = max((k for k in self.kinds if k != best), key=due)
+            kind = max(self._worth_exploring(best), key=due)
             state.explored_at, state.exploring, state.explore_left = state.cycle, kind, self.burst - 1
             state.best_before = best
             return kind
@@ -225,14 +279,43 @@ class DraftingGate:
             state.exploring = None
         return best
 
+    def record_depth(self, depth: int, accepted: bool) -> None:
+        """One outcome of a chain's ``depth``-th token whose predecessors were accepted (verified or probed)."""
+        if 1 <= depth <= _MAX_CHAIN:
+            for sums in (self.state.depth_fast, self.state.depth_slow):
+                sums[0, depth - 1] += float(accepted)
+                sums[1, depth - 1] += 1.0
+            self.state.version += 1
+
+    def _worth_exploring(self, best: str) -> list[str]:
+        """The kinds whose measurement could unseat ``best``.
+
+        A chain's tokens come from the acceptance of each depth and the plain step's are 1,
+        so a chain of ``h`` levels teaches everything about plain cycles and shorter chains:
+        only a deeper chain (the acceptance of the next depth) and the tree are unknowns.
+        While plain decoding runs, whether drafting pays again is measured by a
+        :data:`PROBE`: a plain step that drafts a short chain without verifying it, whose
+        tokens are compared with the ones the target then commits (the acceptance of each
+        depth for a draft level's cost, without the expert loads a verified chain brings).
+        """
+        chains = [k for k in self.kinds if k.startswith("chain:")]
+        if best == "plain" and chains:
+            return [PROBE]
+        if best.startswith("chain:"):
+            deeper = f"chain:{int(best.split(':')[1]) + 1}"
+            return [k for k in self.kinds if k in (deeper, "tree")]
+        return [k for k in self.kinds if k != best]
+
     def observe(self, kind: str, tokens: int, seconds: float, loads: int | None = None,
-                root_loads: int | None = None, t_expert: float = 0.0, nodes: int = 0) -> None:
+                root_loads: int | None = None, t_expert: float = 0.0, nodes: int = 0,
+                accepted: int | None = None) -> None:
         """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
         alone needed (plain cycles: all); ``t_expert``: seconds per load (the cost model's);
-        ``nodes``: draft nodes verified.  Without ``loads`` the cycle counts with its
-        transfers in its seconds.
+        ``nodes``: draft nodes verified; ``accepted``: of those, the ones accepted (a chain
+        cycle's acceptance feeds :meth:`depth_acceptance`).  Without ``loads`` the cycle
+        counts with its transfers in its seconds.
         """
         state = self.state
         extra = 0.0
@@ -244,7 +327,16 @@ class DraftingGate:
             state.root_loads = root if state.root_loads is None else (
                 (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
             state.t_expert = t_expert
-        cycle = np.array([tokens, seconds, 1.0, extra, float(nodes), root_nodes], dtype=np.float64)
+        chain_tokens = self.chain_tokens()  # the acceptance before this cycle: what the kind was chosen under
+        reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
+        cycle = np.array([tokens, seconds, 1.0, extra, float(nodes), root_nodes, reference], dtype=np.float64)
         state.sums[kind] = _decayed_add(state.sums.get(kind), cycle, _KIND_EMA)
+        state.depth_fast *= 1 - _DEPTH_FAST
+        state.depth_slow *= 1 - _DEPTH_SLOW
+        if kind.startswith("chain:") and accepted is not None and nodes:
+            # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
+            for d in range(1, min(accepted + 1, nodes, _MAX_CHAIN) + 1):
+                self.record_depth(d, d <= accepted)
         state.counts[kind] = state.counts.get(kind, 0) + 1
+        state.version += 1
         state.last_run[kind] = state.cycle

@@ -40,7 +40,7 @@ from .calibration import calibrate
 from .costs import CycleCostTracker, default_cost_model
 from .experts import make_predictor
 from .forecast import ExpertForecast, root_missing
-from .gate import DraftingGate, chain_kinds, drafting_measurements
+from .gate import PROBE, PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements
 from .lookahead import LookAhead, useful_children
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
@@ -49,6 +49,7 @@ from .search import CostModel, closed_part, save_instance, select_chain, select_
 __all__ = ["SpecFitPolicy"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+_FORECAST_EVERY = 4  # a fixed-chain cycle forecasts its experts every this many cycles (to keep learning)
 
 
 @register_policy("specfit")
@@ -69,6 +70,8 @@ class SpecFitPolicy(SelectionPolicy):
         self.lookahead = LookAhead(self.max_depth, getattr(config, "tree_top_k", None), self.options.lookahead)
         self._last: Selection | None = None
         self._kind = "tree"  # the kind of cycle the gate chose for this cycle
+        self._shadow: list[int] = []  # a probe's chain tokens not yet compared with committed ones
+        self._shadow_depth = 0  # depth of the last one compared
 
     # -------------------------------------------------------------- lifecycle
     def reset(self, ctx: CycleContext) -> None:
@@ -90,6 +93,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
+        self._shadow, self._shadow_depth = [], 0
 
     @property
     def cost_model(self) -> CostModel:
@@ -105,6 +109,8 @@ class SpecFitPolicy(SelectionPolicy):
             self.reset(ctx)
         if len(tree) == 0:
             return self._before_drafting(tree)
+        if self._kind == PROBE:
+            return self._probe_cycle(tree)
         if self._kind != "tree":
             return self._chain_cycle(tree, int(self._kind.split(":")[1]))
         path = self.acceptance.path(tree)
@@ -123,19 +129,51 @@ class SpecFitPolicy(SelectionPolicy):
         return sel
 
     def _chain_cycle(self, tree: DraftTree, depth: int) -> Selection:
-        """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all (figures at the end only)."""
+        """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all.
+
+        Its figures are the gate's for the kind (a chain's acceptance and cost are measured
+        per kind): no per-node forecast is needed to run it.  Every few cycles the experts
+        are forecast anyway, so the cost model keeps learning what verified nodes add.
+        """
         n = len(tree)
         nodes = torch.arange(n, dtype=torch.long)
         if tree.num_levels < min(depth, self.max_depth) and n == tree.num_levels:
             return Selection(nodes=nodes, stop=False, expand=torch.tensor([n - 1]), children=1)
-        path = self.acceptance.path(tree)
-        root_predicted = self.forecast.root_missing(tree)
-        missing = self.forecast.chain_missing(tree) if n == tree.num_levels else None
-        cost = self.costs.cycle_model(tree.num_levels, n, root_predicted)
-        expected = 1.0 + float(path.sum())
-        seconds = cost.predict(n + 1, root_predicted if missing is None else int(missing[-1]))
+        self.forecast.snapshot(tree)  # the residents before the verify: what the root alone would have loaded
+        figures = self.gate.cycle_figures().get(self._kind)
+        chain = n == tree.num_levels
+        if figures is not None and not (chain and self.gate.state.cycle % _FORECAST_EVERY == 0):
+            expected, seconds = figures
+        else:  # not measured yet, or a sampled cycle: the per-node forecast
+            root_predicted = self.forecast.root_missing(tree)
+            missing = self.forecast.chain_missing(tree) if chain else None
+            cost = self.costs.cycle_model(tree.num_levels, n, root_predicted)
+            expected = 1.0 + float(self.acceptance.path(tree).sum())
+            seconds = cost.predict(n + 1, root_predicted if missing is None else int(missing[-1]))
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
-                         throughput=expected / seconds, stop=True)
+                         throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
+
+    def _probe_cycle(self, tree: DraftTree) -> Selection:
+        """A probe: draft a short chain of one child per level, then verify the root alone.
+
+        The chain's tokens are compared with what the target commits next (:meth:`observe`).
+        """
+        n = len(tree)
+        if tree.num_levels < min(PROBE_DEPTH, self.max_depth) and n == tree.num_levels:
+            return Selection(nodes=_EMPTY, stop=False, expand=torch.tensor([n - 1]), children=1)
+        tokens, seconds = self.gate.cycle_figures().get(PROBE, (1.0, math.nan))
+        return Selection(nodes=_EMPTY, expected_tokens=tokens, predicted_time=seconds, stop=True)
+
+    def _follow_shadow(self, committed: list[int]) -> None:
+        """Compare a probe's unverified chain with the tokens the target committed, depth by depth."""
+        for token in committed:
+            if not self._shadow:
+                return
+            self._shadow_depth += 1
+            hit = self._shadow.pop(0) == token
+            self.gate.record_depth(self._shadow_depth, hit)
+            if not hit:
+                self._shadow = []
 
     def _select_chain(self, tree: DraftTree, path: np.ndarray, cost: CostModel, root_predicted: int) -> Selection:
         """:meth:`select` for a chain: the same recipe, where every closed set is a prefix.
@@ -155,10 +193,15 @@ class SpecFitPolicy(SelectionPolicy):
     def _before_drafting(self, tree: DraftTree) -> Selection:
         """The plain step (root alone) with its predicted time; the gate decides whether to draft, and how wide."""
         self._last = None
+        self._kind = self.gate.choose()
+        if self._kind != "tree" and self._kind in self.gate.state.sums:
+            # plain or a fixed chain: nothing to decide, and the gate's figures are the forecast
+            figures = self.gate.cycle_figures()[self._kind] if self._kind == "plain" else (1.0, math.nan)
+            return Selection(nodes=_EMPTY, expected_tokens=figures[0], predicted_time=figures[1],
+                             stop=self.max_depth < 1 or self._kind == "plain", children=1)
         plain_missing = self.forecast.plain_step_missing(tree)
         cost = self.costs.cycle_model(0, 0, plain_missing)
         predicted = cost.predict(1, plain_missing)
-        self._kind = self.gate.choose()
         stop = self.max_depth < 1 or self._kind == "plain"
         if self._kind == "tree":
             children = useful_children(1.0, self.acceptance.rank_acceptance(),
@@ -238,8 +281,16 @@ class SpecFitPolicy(SelectionPolicy):
         self.costs.observe(tree, selection, record, added, root_loads)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
-                              record.cycle_seconds, record.experts_loaded, root_loads, self.costs.model.t_expert,
-                              record.nodes_verified)
+                              record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
+                              record.nodes_verified, record.tokens_accepted)
+        committed = list(result.new_tokens[: record.tokens_committed])
+        self._follow_shadow(committed)  # an earlier probe's chain against this cycle's tokens
+        if self._kind == PROBE and len(tree) and tree.num_levels == len(tree):
+            # greedy: the target commits a token iff it is its argmax; sampling: it draws token x
+            # with probability p(x), the chance a verified child x is accepted -- either way a
+            # match is an outcome of verifying that chain
+            self._shadow, self._shadow_depth = tree.tokens.tolist(), 0
+            self._follow_shadow(committed)
 
     def report(self) -> dict[str, Any]:
         """Online figures: cost model, cycle-time MAPE, acceptance observations."""
