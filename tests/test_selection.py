@@ -477,7 +477,8 @@ def test_gate_measures_every_kind_then_runs_the_best_and_backs_off_exploring():
             intervals.append(gate.state.interval)
         return seq
 
-    seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (2, 0.1)}, 80)  # chain:1 is best (40 tok/s)
+    # chain:1 is best (40 tok/s), the tree close behind (39.4 tok/s: exploring it costs little)
+    seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (2.05, 0.052)}, 80)
     # each kind first: the plain step and chains once (their tokens are modelled), the tree over a burst
     assert seq[:4] == ["plain", "chain:1", "tree", "tree"]
     starts = [i for i in range(4, 80) if seq[i] != "chain:1" and (i == 4 or seq[i - 1] == "chain:1")]
@@ -491,6 +492,22 @@ def test_gate_measures_every_kind_then_runs_the_best_and_backs_off_exploring():
     seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (6, 0.1)}, 150)
     assert seq[-10:].count("tree") >= 8
     assert 4 in intervals  # the flip reset the interval
+
+
+def test_gate_explores_a_costly_kind_only_within_its_budget():
+    from specfit_hf.selection.gate import _EXPLORE_BUDGET, DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=4), True, ["plain", "chain:1", "tree"], 4, 16)
+    speed = {"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (2, 0.1)}  # a tree cycle costs a chain cycle's tokens
+    seq = []
+    for _ in range(600):
+        kind = gate.choose()
+        seq.append(kind)
+        gate.observe(kind, *speed[kind])
+    explored = [i for i in range(4, 600) if seq[i] == "tree" and seq[i - 1] != "tree"]
+    regret = 0.1 / 0.05 - 2 / 2  # one tree cycle loses one chain cycle's tokens
+    assert len(explored) >= 2 and min(np.diff(explored)) >= 2 * regret / _EXPLORE_BUDGET
+    assert seq[4:].count("tree") <= 2 * (596 * _EXPLORE_BUDGET / regret + 1)
 
 
 def test_search_charges_measured_root_and_node_loads():

@@ -212,6 +212,9 @@ class SpecFitCache(DynamicCache):
         This is the commit after a tree forward: ``block_positions`` are the root's and
         the accepted nodes' positions inside the verified block (0 = root).
         """
+        if isinstance(block_positions, (list, tuple)) and list(block_positions) == list(range(len(block_positions))):
+            self.crop_to(prefix_len + len(block_positions))  # (a plain step or a chain: no tensors needed)
+            return
         block = torch.as_tensor(block_positions, dtype=torch.long).reshape(-1)
         # Fast path: accepted nodes sit right after the root in the block (a chain).
         if bool((block == torch.arange(block.numel())).all()):

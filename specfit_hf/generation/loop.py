@@ -265,9 +265,9 @@ def tree_speculative_decoding(
             # only while generation goes on.
             cache.keep_prefix_and(prefix_len, result.accepted_positions[: len(new_tokens)])
             if not finished:
-                rows = torch.tensor(result.accepted_positions, dtype=torch.long)
-                commit_features = None
-                if block_features is not None:
+                commit_features = block_features
+                if block_features is not None and len(result.accepted_positions) < block_features.shape[1]:
+                    rows = torch.tensor(result.accepted_positions, dtype=torch.long)
                     commit_features = block_features[:, rows.to(block_features.device)]
                 candidate_generator.commit(candidates, result, commit_features)
 

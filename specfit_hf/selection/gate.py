@@ -136,6 +136,7 @@ PROBE_DEPTH = 2  # levels a probe drafts
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
+_EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _ROOT_FLOOR = 0.5  # loads added to the root mean when pricing nodes: a warm cache still misses now and then
 _DEPTH_FAST = 0.1  # per-cycle forgetting of the recent per-depth acceptance (~10 cycles: the text's phase)
@@ -241,9 +242,18 @@ class DraftingGate:
         return self._chain_tokens[1]
 
     def best(self, rates: dict[str, float] | None = None) -> str:
-        """The measured fastest kind (kinds not measured yet rank last); ``rates``: :meth:`rates` if at hand."""
+        """The measured fastest kind (kinds not measured yet rank last); ``rates``: :meth:`rates` if at hand.
+
+        The tree competes with the chains, not with plain decoding: its rate comes from few,
+        costly cycles measured in some other stretch of the text, so it runs only where a
+        chain shows drafting pays now (it is then re-measured against that chain).
+        """
         rates = self.rates() if rates is None else rates
-        return max(self.kinds, key=lambda k: (k in rates, rates.get(k, 0.0)))
+        simple = max((k for k in self.kinds if k != "tree"), key=lambda k: (k in rates, rates.get(k, 0.0)))
+        gated = simple == "plain" and any(k.startswith("chain:") for k in self.kinds)
+        if gated or "tree" not in rates or rates["tree"] <= rates.get(simple, 0.0):
+            return simple
+        return "tree"
 
     def choose(self) -> str:
         """Called once per cycle before drafting: the kind of cycle to run."""
@@ -270,9 +280,11 @@ class DraftingGate:
                 return (state.cycle - state.last_run.get(k, -1)) * ratio * ratio
 
             kind = max(self._worth_exploring(best), key=due)
-            state.explored_at, state.exploring, state.explore_left = state.cycle, kind, self.burst - 1
-            state.best_before = best
-            return kind
+            burst = 1 if kind == PROBE else self.burst  # a probe is one cycle (it verifies nothing)
+            if (state.cycle - state.explored_at) * _EXPLORE_BUDGET >= burst * self._regret(kind, best):
+                state.explored_at, state.exploring, state.explore_left = state.cycle, kind, burst - 1
+                state.best_before = best
+                return kind
         if state.exploring is not None:  # a burst ended: back off if the best kind held
             held = best == state.best_before
             state.interval = min(2 * state.interval, self.max_explore_every) if held else self.explore_every
@@ -286,6 +298,14 @@ class DraftingGate:
                 sums[0, depth - 1] += float(accepted)
                 sums[1, depth - 1] += 1.0
             self.state.version += 1
+
+    def _regret(self, kind: str, best: str) -> float:
+        """Cycles of ``best`` whose tokens one cycle of ``kind`` costs (0 for a kind not measured yet)."""
+        figures = self.cycle_figures()
+        if kind not in figures or best not in figures:
+            return 0.0
+        (tokens, seconds), (best_tokens, best_seconds) = figures[kind], figures[best]
+        return max(0.0, seconds / max(best_seconds, 1e-12) - tokens / max(best_tokens, 1e-12))
 
     def _worth_exploring(self, best: str) -> list[str]:
         """The kinds whose measurement could unseat ``best``.

@@ -49,7 +49,7 @@ from .search import CostModel, closed_part, save_instance, select_chain, select_
 __all__ = ["SpecFitPolicy"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
-_FORECAST_EVERY = 4  # a fixed-chain cycle forecasts its experts every this many cycles (to keep learning)
+_SAMPLE_EVERY = 4  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 
 
 @register_policy("specfit")
@@ -133,7 +133,8 @@ class SpecFitPolicy(SelectionPolicy):
 
         Its figures are the gate's for the kind (a chain's acceptance and cost are measured
         per kind): no per-node forecast is needed to run it.  Every few cycles the experts
-        are forecast anyway, so the cost model keeps learning what verified nodes add.
+        are forecast anyway, so the cost model keeps learning what verified nodes add
+        (:meth:`_sampled`).
         """
         n = len(tree)
         nodes = torch.arange(n, dtype=torch.long)
@@ -142,7 +143,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.forecast.snapshot(tree)  # the residents before the verify: what the root alone would have loaded
         figures = self.gate.cycle_figures().get(self._kind)
         chain = n == tree.num_levels
-        if figures is not None and not (chain and self.gate.state.cycle % _FORECAST_EVERY == 0):
+        if figures is not None and not (chain and self._sampled()):
             expected, seconds = figures
         else:  # not measured yet, or a sampled cycle: the per-node forecast
             root_predicted = self.forecast.root_missing(tree)
@@ -152,6 +153,10 @@ class SpecFitPolicy(SelectionPolicy):
             seconds = cost.predict(n + 1, root_predicted if missing is None else int(missing[-1]))
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
+
+    def _sampled(self) -> bool:
+        """Whether this fixed-chain cycle also feeds the tree's models (forecast, calibrator)."""
+        return self.gate.state.cycle % _SAMPLE_EVERY == 0
 
     def _probe_cycle(self, tree: DraftTree) -> Selection:
         """A probe: draft a short chain of one child per level, then verify the root alone.
@@ -268,7 +273,10 @@ class SpecFitPolicy(SelectionPolicy):
     # -------------------------------------------------------------- learning
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: CycleRecord) -> None:
         """Learn from the verified cycle: acceptance, cycle costs, drafting rates, routing."""
-        self.acceptance.observe(tree, selection, result, greedy=self.greedy)
+        if not self._kind.startswith("chain:") or self._sampled():
+            # fixed chains rank on the gate's per-depth acceptance: the tree's calibrator learns
+            # from them on sampled cycles only (its update is host time on every chain cycle)
+            self.acceptance.observe(tree, selection, result, greedy=self.greedy)
         if self.costs is None:
             return
         predicted = self.forecast.selection_missing(tree, selection)
