@@ -298,11 +298,12 @@ def test_specfit_without_runtime_is_lossless():
     draft = _noisy_copy(target, seed=4)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
     ref = target.generate(ids, max_new_tokens=16, do_sample=False)
-    cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, max_depth=3, tree_top_k=2, policy="specfit",
-                        return_dict_in_generate=True)
-    out = target.generate(ids, assistant_model=draft, generation_config=cfg)
-    assert torch.equal(out.sequences, ref)
-    assert sum(c.tokens_accepted for c in out.cycles) > 0
+    for gate in (False, True):  # the tree every cycle, and whatever kind the gate picks
+        cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, max_depth=3, tree_top_k=2, policy="specfit",
+                            return_dict_in_generate=True, policy_kwargs={"adaptive_drafting": gate})
+        out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+        assert torch.equal(out.sequences, ref)
+        assert gate or sum(c.tokens_accepted for c in out.cycles) > 0
 
 
 def test_oracle_generation_verifies_only_accepted_nodes(offloaded_pair):
@@ -451,10 +452,24 @@ def test_gate_charges_transfers_at_the_current_root_rate():
     gate.observe("chain:2", 3, 0.025 + 3 * t_exp, loads=3, root_loads=1, t_expert=t_exp, nodes=2)
     root = gate.state.root_loads
     assert root == pytest.approx(0.7 * root_then + 0.3 * 1)
-    # every kind pays transfers at the current mean: a node loads kappa (root mean + 0.5), kappa measured then
-    kappa = 2 / ((root_then + 0.5) * 2)
+    # what a node loads is fitted as a + b (root mean when it ran), ridge toward (0, 1), never negative
+    from specfit_hf.selection.calibration import nonnegative_ridge
+    from specfit_hf.selection.gate import _NODE_RIDGE
+
+    x = 2 * np.array([1.0, root_then])
+    a, b = nonnegative_ridge(np.outer(x, x), x * 2.0, np.array([0.0, 1.0]), _NODE_RIDGE)
+    assert tuple(gate.state.node_loads) == pytest.approx((a, b))
+    # every kind pays transfers at the current mean
     assert gate.rate("plain") == pytest.approx(1.75 / (0.0175 + t_exp * root * 1.75))
-    assert gate.rate("chain:2") == pytest.approx(3 / (0.025 + t_exp * (root + kappa * (root + 0.5) * 2)))
+    assert gate.rate("chain:2") == pytest.approx(3 / (0.025 + t_exp * (root + (a + b * root) * 2)))
+    # many cycles where nodes load 0.2 + 0.7 m: the fit finds it
+    for m in [0.0, 0.5, 1.0, 2.0, 3.0] * 20:
+        gate.state.root_loads = m
+        gate.observe("chain:2", 3, 0.025, loads=round(m + 2 * (0.2 + 0.7 * m)), root_loads=round(m),
+                     t_expert=t_exp, nodes=2)
+        gate.state.root_loads = m
+    a, b = gate.state.node_loads
+    assert a == pytest.approx(0.2, abs=0.15) and b == pytest.approx(0.7, abs=0.1)
     # without loads a cycle keeps its transfers in its seconds
     bare = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
     bare.observe("plain", 1, 0.034)
@@ -479,14 +494,14 @@ def test_gate_measures_every_kind_then_runs_the_best_and_backs_off_exploring():
 
     # chain:1 is best (40 tok/s), the tree close behind (39.4 tok/s: exploring it costs little)
     seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (2.05, 0.052)}, 80)
-    # each kind first: the plain step and chains once (their tokens are modelled), the tree over a burst
-    assert seq[:4] == ["plain", "chain:1", "tree", "tree"]
-    starts = [i for i in range(4, 80) if seq[i] != "chain:1" and (i == 4 or seq[i - 1] == "chain:1")]
+    # a plain step and one chain first (they price every chain); the tree once a chain beats plain steps
+    assert seq[:2] == ["plain", "chain:1"] and "tree" not in seq[:3]
+    starts = [i for i in range(2, 80) if seq[i] != "chain:1" and seq[i - 1] == "chain:1"]
     assert all(seq[i:i + 2] == [seq[i]] * 2 for i in starts)  # explorations are bursts of 2
     assert np.diff(starts).tolist()[:2] == [8, 16] and max(np.diff(starts)) == 16  # 4 -> 8 -> 16 (capped)
     assert gate.state.interval == 16
     # a chain teaches all about plain steps (one token each, cost measured): only the tree is re-measured
-    assert seq[4:].count("plain") == 0 and seq[4:].count("tree") > 0
+    assert seq[1:].count("plain") == 0 and seq[1:].count("tree") > 0
     # the text changes: the tree now pays most; the next exploration of it flips the best kind
     intervals.clear()
     seq = run({"plain": (1, 0.03), "chain:1": (2, 0.05), "tree": (6, 0.1)}, 150)
@@ -680,3 +695,18 @@ def test_gate_probes_instead_of_verifying_chains_while_plain_decoding_is_best():
     after = seq[5:]  # plain, chain:1, chain:2, tree x2 first
     assert set(after) == {"plain", PROBE}  # no verified chain or tree while plain decoding is best
     assert after.count(PROBE) <= 10
+
+
+def test_chains_not_run_yet_are_priced_from_the_plain_step_and_the_chains_that_ran():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:1", "chain:2", "chain:3", "tree"], 8, 64)
+    assert gate.choose() == "plain"
+    gate.observe("plain", 1, 0.010)
+    assert gate.choose() == "chain:2"  # nothing else is run just to be priced
+    gate.observe("chain:2", 3, 0.018, nodes=2, accepted=2)
+    figures = gate.cycle_figures()
+    tokens = gate.chain_tokens()
+    assert figures["chain:1"] == pytest.approx((tokens[1], 0.014))  # 4 ms a level
+    assert figures["chain:3"] == pytest.approx((tokens[3], 0.022))
+    assert "tree" not in figures

@@ -22,7 +22,7 @@ from scipy.optimize import nnls
 from ..clock import clock
 from .search import CostModel
 
-__all__ = ["CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape"]
+__all__ = ["CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape", "nonnegative_ridge"]
 
 # (verified tokens incl. root, experts loaded, seconds)
 CostSample = tuple[float, float, float]
@@ -58,6 +58,18 @@ def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None =
     if t0 + t_tok <= 0:
         t0 = float(max(np.min(y), 1e-6)) if len(y) else 1e-3
     return CostModel(t0=t0, t_token=t_tok, t_expert=t_exp)
+
+
+def nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
+    """argmin ``||X c - y||^2 + ridge ||c - prior||^2`` over ``c >= 0`` (two coefficients; normal equations)."""
+    m = xtx + ridge * np.eye(2)
+    r = xty + ridge * prior
+    c = np.linalg.solve(m, r)
+    if (c >= 0).all():
+        return c
+    # one coefficient at 0: the better of the two one-feature fits
+    fits = [np.array([max(r[0] / m[0, 0], 0.0), 0.0]), np.array([0.0, max(r[1] / m[1, 1], 0.0)])]
+    return min(fits, key=lambda f: float(f @ m @ f - 2 * r @ f))
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:

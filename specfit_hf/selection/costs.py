@@ -26,7 +26,7 @@ import numpy as np
 
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
-from .calibration import OnlineCostModel, mape
+from .calibration import OnlineCostModel, mape, nonnegative_ridge
 from .gate import DraftCost, DraftingMeasurements
 from .search import CostModel
 
@@ -47,18 +47,6 @@ def default_cost_model(experts: ExpertCacheView | None = None) -> CostModel:
         link_seconds = experts.transfer_seconds()
         t_expert = 1e-4 if link_seconds is None or not experts.expert_bytes else link_seconds
     return CostModel(t0=5e-3, t_token=5e-4, t_expert=t_expert)
-
-
-def _nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
-    """argmin ``||X c - y||^2 + ridge ||c - prior||^2`` over ``c >= 0`` (two coefficients; normal equations)."""
-    m = xtx + ridge * np.eye(2)
-    r = xty + ridge * prior
-    c = np.linalg.solve(m, r)
-    if (c >= 0).all():
-        return c
-    # one coefficient at 0: the better of the two one-feature fits
-    fits = [np.array([max(r[0] / m[0, 0], 0.0), 0.0]), np.array([0.0, max(r[1] / m[1, 1], 0.0)])]
-    return min(fits, key=lambda f: float(f @ m @ f - 2 * r @ f))
 
 
 class CycleCostTracker:
@@ -146,7 +134,7 @@ class CycleCostTracker:
                 x = np.array([float(record.nodes_verified), float(predicted_added)])
                 self._node_xtx = _LOAD_DECAY * self._node_xtx + np.outer(x, x)
                 self._node_xty = _LOAD_DECAY * self._node_xty + x * float(loads - root)
-                self._node_fit = _nonnegative_ridge(self._node_xtx, self._node_xty, np.array([0.0, 1.0]), _NODE_RIDGE)
+                self._node_fit = nonnegative_ridge(self._node_xtx, self._node_xty, np.array([0.0, 1.0]), _NODE_RIDGE)
         if not math.isfinite(seconds) or seconds <= 0:
             return
         if tree.num_levels > 0:  # a level costs its draft step and the search after it

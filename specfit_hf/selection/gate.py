@@ -2,7 +2,7 @@
 
 The per-cycle search cannot see what a draft level costs before it is drafted, and its
 estimates of acceptance and cost are noisy early in a call, so the gate ranks a few
-*kinds* of cycle by what they measurably deliver and runs the best one:
+*kinds* of cycle by what they deliver and runs the best one:
 
 * ``plain``: no drafting, the root alone (plain decoding);
 * ``chain:h``: draft a chain of ``h`` levels, one child each, and verify all of it (the
@@ -10,26 +10,39 @@ estimates of acceptance and cost are noisy early in a call, so the gate ranks a 
 * ``tree``: the throughput-optimal drafting plan and subtree search of the policy.
 
 So the policy is never slower, for long, than plain decoding or than a short chain, and
-it is the adaptive tree wherever the tree pays.  Every kind is measured over a burst of
-cycles first; afterwards the best kind runs, and every ``interval`` cycles one other
-kind runs a burst again -- the one measured longest ago, discounted by the square of its
-rate relative to the best, so far slower kinds cost little -- and every estimate follows
-the text; an exploration that leaves the best kind unchanged doubles ``interval`` (up to
-``max_explore_every``), one that changes it resets ``interval``.
+it is the adaptive tree wherever the tree pays.
 
-A kind's rate is its decayed sum of tokens over its decayed sum of seconds (draft +
-search + verify), with the expert transfers taken out of each cycle and charged back at
-a common rate.  Transfers are most of a step's variance and drift with the cache: a
-plain step at half cache loads 0 to 5 experts by routing luck, and the first cycles of
-a call load more than later ones, so raw rates of a few cycles would rank routing luck
-and generation phase.  Instead every cycle reports the experts its *root* alone loaded
-(in a drafting cycle: the root's routing against the residents before the verify) and
-the extra loads of its verified nodes.  A verified node loads about what a root would in
-the same cache state, times a ratio ``kappa`` measured over all kinds (a node shares
-experts with its parent), so every kind is charged ``t_expert * (m * cycles + kappa *
-(m + 0.5) * nodes)`` with ``m`` the *current* running mean of root loads (the 0.5 keeps
-a nearly warm cache's rare node misses from dividing by zero): kinds measured in a cold
-phase and kinds measured in a warm one compare as if measured now.
+**One acceptance for every chain.**  Acceptance follows the text: a stretch of copied
+numbers accepts nearly everything, a fresh sentence little.  Kinds measured in different
+stretches cannot be compared by their own tokens per cycle, so a chain's tokens come from
+one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..4``, pooled over
+every chain cycle (about the last ten weigh most; a depth not reached lately falls back to
+its long-run rate): ``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost
+per cycle.  The tree's tokens are its own, scaled down (never up) by how much the chains'
+acceptance fell since its cycles ran; it runs only where a chain beats plain decoding.
+
+**Transfers at today's rate.**  Transfers are most of a step's variance and drift with
+the cache: a plain step at half cache loads 0 to 5 experts by routing luck.  Every cycle
+reports the experts its *root* alone loaded (in a drafting cycle: the root's routing
+against the residents before the verify) and the extra loads of its verified nodes.  What
+a verified node loads follows the cache state as a root's does: ``a + b m`` with ``m``
+the root loads mean when it ran, fitted over all drafting cycles (non-negative least
+squares, ~50 cycles of memory; measured on the 4090 twin: ~0.2 extra loads per node at
+``m`` ~0.2, ~1.5 at ``m`` ~2).  Every kind is charged ``t_expert * (m + (a + b m) *
+nodes)`` per cycle with ``m`` the *current* mean: kinds measured in a cold phase and
+kinds measured in a warm one compare as if measured now.
+
+**Exploring only what could win, within a budget.**  Every kind runs once first (the
+tree a burst of two).  After that a kind is re-measured only if it could unseat the best:
+while a chain runs, the next deeper chain and the tree (plain steps and shorter chains are
+known: one token, and depths the chain already measures); while plain decoding runs, a
+:data:`PROBE` -- a plain step that drafts a short chain without verifying it, whose tokens
+are compared with the ones the target then commits (a match is exactly an acceptance,
+greedy or sampled), for a draft level's cost and none of a verified chain's expert loads.
+Explorations come every ``interval`` cycles (doubling while the best holds, up to
+``max_explore_every``) and only while their cost, in cycles of the best kind, stays within
+:data:`_EXPLORE_BUDGET` of the cycles since the last one.  A kind within 5% of the running
+one does not replace it.
 
 These measurements belong to the host, link, cache and draft:
 :func:`drafting_measurements` shares them between ``generate`` calls on the same
@@ -42,6 +55,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .calibration import nonnegative_ridge
 
 __all__ = ["PROBE", "DraftCost", "DraftingMeasurements", "DraftingGate", "chain_kinds", "drafting_measurements"]
 
@@ -84,8 +99,8 @@ class DraftingMeasurements:
     ``draft``: the fitted cost of drafting (:class:`DraftCost`); ``verify``: the online fit
     of verification cost, so a later call starts from what earlier calls measured instead
     of exploring again.  ``sums``: per kind, decayed (tokens, seconds without transfers,
-    cycles, extra loads beyond the root's, verified nodes, verified nodes times the root
-    loads mean when they ran); ``counts``: cycles run per kind;
+    cycles, verified nodes, the reference chain's expected tokens when they ran);
+    ``counts``: cycles run per kind;
     ``last_run``: the cycle each kind last ran; ``root_loads``: running mean of the
     experts a root alone loads; ``t_expert``: seconds per load the rates charge.
     ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploration and
@@ -109,6 +124,11 @@ class DraftingMeasurements:
     best_before: str | None = None
     current: str | None = None
     version: int = 0  # bumped on every change of the measurements (what derived figures are cached against)
+    node_xtx: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))  # extra loads ~ nodes * (a + b m)
+    node_xty: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    node_loads: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0]))  # fitted (a, b)
+    start_loads: float | None = None  # mean root loads of a call's first cycles (a call starts cold)
+    call_cycle: int = 0  # cycles observed in the current call
     depth_fast: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))  # [accepted, tried] per depth
     depth_slow: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
 
@@ -138,8 +158,11 @@ _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycl
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
 _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
-_ROOT_FLOOR = 0.5  # loads added to the root mean when pricing nodes: a warm cache still misses now and then
-_DEPTH_FAST = 0.1  # per-cycle forgetting of the recent per-depth acceptance (~10 cycles: the text's phase)
+_START_CYCLES = 8  # a call's first cycles, whose root loads :meth:`DraftingGate.start_call` starts from
+_START_EMA = 0.1
+_NODE_DECAY = 0.98  # per drafting cycle: the fit of what verified nodes load (~50 cycles of memory)
+_NODE_RIDGE = 1.0  # pseudo-observations pulling (a, b) toward (0, 1): a node loads what a root does
+_DEPTH_FAST = 0.05  # per-cycle forgetting of the recent per-depth acceptance (~20 cycles: the text's phase)
 _DEPTH_SLOW = 0.01  # ... of the long-run one, which stands in where recent cycles did not reach a depth
 _DEPTH_PRIOR = 2.0  # pseudo-trials of the long-run acceptance added to the recent counts
 _REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
@@ -175,10 +198,26 @@ class DraftingGate:
         self.explore_every = explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
         self.burst = _BURST
+        chains = [k for k in self.kinds if k.startswith("chain:")]
+        first = "chain:2" if "chain:2" in chains else chains[0] if chains else None
+        self._first = [k for k in self.kinds if k == "plain"] + [first] if chains else list(self.kinds)
         # derived figures, computed once per change of the measurements: (state.version, value)
         self._figures: tuple[int, dict[str, tuple[float, float]]] | None = None
         self._chain_tokens: tuple[int, np.ndarray | None] | None = None
         state.exploring, state.explore_left = None, 0
+
+    def start_call(self) -> None:
+        """A ``generate`` call starts: its first cycles load what earlier calls' first cycles did.
+
+        A prefill leaves the cache holding the prompt's experts, so the first decode steps
+        miss far more than the last steps of the previous call did; starting the root loads
+        mean there keeps the gate from drafting into a cold cache on the previous call's terms.
+        """
+        state = self.state
+        state.call_cycle = 0
+        if state.start_loads is not None:
+            state.root_loads = state.start_loads
+            state.version += 1
 
     def rate(self, kind: str) -> float | None:
         """Tokens per second of ``kind``'s cycles (draft, search and verify), transfers at the common rate."""
@@ -194,16 +233,12 @@ class DraftingGate:
         if self._figures is not None and self._figures[0] == state.version:
             return self._figures[1]  # asked twice a cycle (choosing, forecasting): one computation
         sums = state.sums
-        # one ratio for every kind: a node's loads follow the cache, not the kind of cycle,
-        # and pooling keeps a few noisy cycles from pricing one kind out
-        total_extra = sum(float(s[3]) for s in sums.values())
-        total_root_nodes = sum(float(s[5]) for s in sums.values())
-        kappa = total_extra / total_root_nodes if total_root_nodes > 0 else 1.0
         m = state.root_loads or 0.0
+        per_node = float(state.node_loads[0] + state.node_loads[1] * m)  # a node's extra loads now
         chain_tokens = self.chain_tokens()
         out = {}
-        for kind, (tokens, seconds, cycles, _, nodes, _, reference) in sums.items():
-            transfers = state.t_expert * (m * cycles + kappa * (m + _ROOT_FLOOR) * nodes)
+        for kind, (tokens, seconds, cycles, nodes, reference) in sums.items():
+            transfers = state.t_expert * (m * cycles + per_node * nodes)
             if chain_tokens is not None and kind.startswith("chain:"):
                 # the same acceptance for every chain: each kind's own cycles ran in other
                 # stretches of the text, whose acceptance differs far more than the kinds do
@@ -213,6 +248,18 @@ class DraftingGate:
                 # acceptance where that is lower (never higher: the tree is a costly bet to make on a guess)
                 tokens *= min(chain_tokens[_REFERENCE] * cycles / reference, 1.0)
             out[kind] = (float(tokens / cycles), float((seconds + transfers) / cycles))
+        if chain_tokens is not None:
+            # chains not run yet cost the plain step plus what a level costs in the chains that ran
+            # (draft step + verified token: the same for every level), so none is run just to be priced
+            levels = [(int(k.split(":")[1]), v) for k, v in sums.items() if k.startswith("chain:")]
+            if "plain" in sums and levels:
+                plain = sums["plain"][1] / sums["plain"][2]
+                per_level = float(np.mean([max(v[1] / v[2] - plain, 0.0) / h for h, v in levels]))
+                for kind in self.kinds:
+                    if kind.startswith("chain:") and kind not in out:
+                        h = int(kind.split(":")[1])
+                        seconds = plain + per_level * h + state.t_expert * (m + per_node * h)
+                        out[kind] = (float(chain_tokens[h]), float(seconds))
         self._figures = (state.version, out)
         return out
 
@@ -225,7 +272,7 @@ class DraftingGate:
         fast, slow = self.state.depth_fast, self.state.depth_slow
         if slow[1, 0] <= 0:
             return None
-        overall = slow[0, 0] / slow[1, 0]
+        overall = (slow[0, 0] + 1.0) / (slow[1, 0] + 2.0)  # depth 1, Laplace: one lucky cycle is not certainty
         long_run = (slow[0] + overall) / (slow[1] + 1.0)
         return (fast[0] + _DEPTH_PRIOR * long_run) / (fast[1] + _DEPTH_PRIOR)
 
@@ -261,8 +308,8 @@ class DraftingGate:
         state.cycle += 1
         if not self.enabled:
             return "tree"
-        for kind in self.kinds:  # measure every kind first: the modelled ones' cost once, the tree over a burst
-            if state.counts.get(kind, 0) < (self.burst if kind == "tree" else 1):
+        for kind in self._first:  # a plain step and one chain price every chain (the tree waits for a chain to pay)
+            if state.counts.get(kind, 0) < 1:
                 return kind
         if state.exploring is not None and state.explore_left > 0:
             state.explore_left -= 1
@@ -338,18 +385,26 @@ class DraftingGate:
         counts with its transfers in its seconds.
         """
         state = self.state
-        extra = 0.0
-        root_nodes = ((state.root_loads or 0.0) + _ROOT_FLOOR) * nodes  # what the nodes' loads are relative to
         if loads is not None:
             root = loads if root_loads is None or kind == "plain" else min(root_loads, loads)
             seconds = max(seconds - t_expert * loads, 0.0)
-            extra = float(loads - root)
+            if nodes:
+                # the nodes' loads beyond the root's, against the root mean when they ran
+                x = float(nodes) * np.array([1.0, state.root_loads or 0.0])
+                state.node_xtx = _NODE_DECAY * state.node_xtx + np.outer(x, x)
+                state.node_xty = _NODE_DECAY * state.node_xty + x * float(loads - root)
+                state.node_loads = nonnegative_ridge(state.node_xtx, state.node_xty, np.array([0.0, 1.0]),
+                                                     _NODE_RIDGE)
             state.root_loads = root if state.root_loads is None else (
                 (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
             state.t_expert = t_expert
+            state.call_cycle += 1
+            if state.call_cycle <= _START_CYCLES:
+                state.start_loads = float(root) if state.start_loads is None else (
+                    (1 - _START_EMA) * state.start_loads + _START_EMA * root)
         chain_tokens = self.chain_tokens()  # the acceptance before this cycle: what the kind was chosen under
         reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
-        cycle = np.array([tokens, seconds, 1.0, extra, float(nodes), root_nodes, reference], dtype=np.float64)
+        cycle = np.array([tokens, seconds, 1.0, float(nodes), reference], dtype=np.float64)
         state.sums[kind] = _decayed_add(state.sums.get(kind), cycle, _KIND_EMA)
         state.depth_fast *= 1 - _DEPTH_FAST
         state.depth_slow *= 1 - _DEPTH_SLOW

@@ -58,10 +58,11 @@ class SpecFitOptions:
     then (:class:`~specfit_hf.selection.gate.DraftingGate`); ``False`` always runs the tree."""
 
     explore_every: int = 8
-    """Cycles between two explorations of another kind of cycle."""
+    """Cycles between two explorations of another kind of cycle (at least)."""
 
-    max_explore_every: int = 64
-    """The exploration interval doubles while the best kind holds, up to this."""
+    max_explore_every: int = 16
+    """The exploration interval doubles while the best kind holds, up to this; a costly
+    exploration waits longer, until its cost is within 1% of the cycles since the last one."""
 
     lookahead: bool = True
     """Stop rule: keep drafting while a chain below a frontier node could still beat the

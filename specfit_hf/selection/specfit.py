@@ -90,6 +90,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.costs = CycleCostTracker(initial, drafting, opts.online_cost)
         self.gate = DraftingGate(drafting, opts.adaptive_drafting, chain_kinds(self.max_depth), opts.explore_every,
                                  opts.max_explore_every)
+        self.gate.start_call()
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
