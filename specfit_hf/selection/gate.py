@@ -248,18 +248,26 @@ class DraftingGate:
                 # acceptance where that is lower (never higher: the tree is a costly bet to make on a guess)
                 tokens *= min(chain_tokens[_REFERENCE] * cycles / reference, 1.0)
             out[kind] = (float(tokens / cycles), float((seconds + transfers) / cycles))
-        if chain_tokens is not None:
-            # chains not run yet cost the plain step plus what a level costs in the chains that ran
-            # (draft step + verified token: the same for every level), so none is run just to be priced
+        if chain_tokens is not None and "plain" in sums:
+            # A chain of h levels costs the plain step plus h levels, each a draft step (with the
+            # search after it) and a verified token, from the fits every drafting cycle feeds
+            # (probes included); without those fits, what a level cost in the chains that ran.
+            # A chain's own cycles would price it by the stretch of text and cache it last ran in.
+            plain = sums["plain"][1] / sums["plain"][2]
+            verify = state.verify.last_fit if state.verify is not None else None
             levels = [(int(k.split(":")[1]), v) for k, v in sums.items() if k.startswith("chain:")]
-            if "plain" in sums and levels:
-                plain = sums["plain"][1] / sums["plain"][2]
+            if state.draft.t_level is not None and verify is not None:
+                level_cost = lambda h: state.draft.predict(h, h) + verify.t_token * h  # noqa: E731
+            elif levels:
                 per_level = float(np.mean([max(v[1] / v[2] - plain, 0.0) / h for h, v in levels]))
-                for kind in self.kinds:
-                    if kind.startswith("chain:") and kind not in out:
-                        h = int(kind.split(":")[1])
-                        seconds = plain + per_level * h + state.t_expert * (m + per_node * h)
-                        out[kind] = (float(chain_tokens[h]), float(seconds))
+                level_cost = lambda h: per_level * h  # noqa: E731
+            else:
+                level_cost = None
+            for kind in self.kinds if level_cost is not None else ():
+                if kind.startswith("chain:"):
+                    h = int(kind.split(":")[1])
+                    seconds = plain + level_cost(h) + state.t_expert * (m + per_node * h)
+                    out[kind] = (float(chain_tokens[h]), float(seconds))
         self._figures = (state.version, out)
         return out
 
