@@ -132,9 +132,9 @@ class SpecFitPolicy(SelectionPolicy):
     def _chain_cycle(self, tree: DraftTree, depth: int) -> Selection:
         """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all.
 
-        Its figures are the gate's for the kind (a chain's acceptance and cost are measured
-        per kind): no per-node forecast is needed to run it.  Every few cycles the experts
-        are forecast anyway, so the cost model keeps learning what verified nodes add
+        Its figures are the gate's (one per-depth acceptance for every chain, the cost from
+        fitted components): no per-node forecast is needed to run it.  Every few cycles the
+        experts are forecast anyway, so the cost model keeps learning what verified nodes add
         (:meth:`_sampled`).
         """
         n = len(tree)
