@@ -212,15 +212,14 @@ class SpecFitCache(DynamicCache):
         This is the commit after a tree forward: ``block_positions`` are the root's and
         the accepted nodes' positions inside the verified block (0 = root).
         """
-        if isinstance(block_positions, (list, tuple)) and list(block_positions) == list(range(len(block_positions))):
-            self.crop_to(prefix_len + len(block_positions))  # (a plain step or a chain: no tensors needed)
+        if isinstance(block_positions, torch.Tensor):
+            block_positions = block_positions.reshape(-1).tolist()
+        block = [int(p) for p in block_positions]
+        # Fast path: accepted nodes sit right after the root in the block (a plain step or a chain).
+        if block == list(range(len(block))):
+            self.crop_to(prefix_len + len(block))
             return
-        block = torch.as_tensor(block_positions, dtype=torch.long).reshape(-1)
-        # Fast path: accepted nodes sit right after the root in the block (a chain).
-        if bool((block == torch.arange(block.numel())).all()):
-            self.crop_to(prefix_len + block.numel())
-            return
-        self.keep(torch.cat([torch.arange(prefix_len), prefix_len + block]))
+        self.keep(torch.cat([torch.arange(prefix_len), prefix_len + torch.tensor(block, dtype=torch.long)]))
 
     def crop_to(self, length: int) -> None:
         """Keep the first ``length`` positions (``DynamicLayer.crop`` only takes n <= 0)."""

@@ -109,13 +109,13 @@ class _StopRule:
         self.max_length = int(generation_config.max_length)
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = set() if eos is None else set(eos.reshape(-1).tolist())
-        self.criteria = stopping_criteria
         # MaxLength / eos are handled by truncation; others (stop strings, user criteria)
         # must see every prefix, so they are checked token by token.
         handled = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
         self.per_token = [c for c in stopping_criteria if not isinstance(c, handled)]
         # truncation already ends at max_length and eos: only other criteria need a call per cycle
-        self.after_cycle = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        covered = (MaxLengthCriteria, EosTokenCriteria)
+        self.after_cycle = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, covered)])
 
     def truncate(self, sequence: torch.LongTensor, new_tokens: list[int]) -> tuple[list[int], bool]:
         """Tokens to append and whether generation ends after them."""
@@ -138,7 +138,7 @@ class _StopRule:
 
     def done(self, sequence: torch.LongTensor, scores) -> bool:
         """Whether a criterion truncation does not cover (max time, stop strings, user criteria) ends here."""
-        return bool(self.after_cycle) and bool(StoppingCriteriaList(self.after_cycle)(sequence, scores).any())
+        return len(self.after_cycle) > 0 and bool(self.after_cycle(sequence, scores).any())
 
 
 @torch.no_grad()

@@ -112,8 +112,8 @@ def visibility_to_mask(
     return mask
 
 
-# config -> (layer types, their kwargs) it was read from, and the answer: asked every cycle,
-# and reading the layer types costs about as much as a small tree's whole mask
+# config -> ((layer_types, sliding_window) when read, the answer): asked every cycle, and
+# reading the layer types costs about as much as a small tree's whole mask
 _KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

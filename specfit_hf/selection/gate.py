@@ -198,7 +198,8 @@ class DraftingGate:
         self.explore_every = explore_every
         self.max_explore_every = max(explore_every, max_explore_every)
         self.burst = _BURST
-        chains = [k for k in self.kinds if k.startswith("chain:")]
+        self._chains = [k for k in self.kinds if k.startswith("chain:")]
+        chains = self._chains
         first = "chain:2" if "chain:2" in chains else chains[0] if chains else None
         self._first = [k for k in self.kinds if k == "plain"] + [first] if chains else list(self.kinds)
         # derived figures, computed once per change of the measurements: (state.version, value)
@@ -274,7 +275,7 @@ class DraftingGate:
     def depth_acceptance(self) -> np.ndarray | None:
         """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..4``.
 
-        Recent chain cycles (about the last ten) weigh most; where they did not reach a
+        Recent chain cycles and probes (about the last twenty) weigh most; where they did not reach a
         depth, the long-run rate of that depth stands in (``None`` before any chain cycle).
         """
         fast, slow = self.state.depth_fast, self.state.depth_slow
@@ -305,7 +306,7 @@ class DraftingGate:
         """
         rates = self.rates() if rates is None else rates
         simple = max((k for k in self.kinds if k != "tree"), key=lambda k: (k in rates, rates.get(k, 0.0)))
-        gated = simple == "plain" and any(k.startswith("chain:") for k in self.kinds)
+        gated = simple == "plain" and bool(self._chains)
         if gated or "tree" not in rates or rates["tree"] <= rates.get(simple, 0.0):
             return simple
         return "tree"
@@ -373,8 +374,7 @@ class DraftingGate:
         tokens are compared with the ones the target then commits (the acceptance of each
         depth for a draft level's cost, without the expert loads a verified chain brings).
         """
-        chains = [k for k in self.kinds if k.startswith("chain:")]
-        if best == "plain" and chains:
+        if best == "plain" and self._chains:
             return [PROBE]
         if best.startswith("chain:"):
             deeper = f"chain:{int(best.split(':')[1]) + 1}"
