@@ -55,11 +55,13 @@ def simulated() -> Iterator[None]:
     so a run is deterministic: the same decisions, whatever the machine is doing.  Used to
     replay policy decisions exactly (tests) and to check a timing model.
     """
-    global _source
-    frozen = time.perf_counter()
-    previous = _source
-    _source = lambda: frozen  # noqa: E731
+    global _source, _offset
+    # The clock restarts at exactly 0 inside: durations are then differences of the same
+    # small numbers on every run (a clock at the process's uptime plus the offset emulation
+    # built up earlier would round them differently from one run to the next).
+    previous, before = _source, _offset
+    _source, _offset = (lambda: 0.0), 0.0
     try:
         yield
     finally:
-        _source = previous
+        _source, _offset = previous, before + _offset
