@@ -193,6 +193,8 @@ class CycleRecord:
         levels_drafted: draft levels grown this cycle (0: a plain decode step).
         experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
             ``None`` without a runtime.
+        root_experts_loaded: of those, the ones the root's own routing needed (what a plain
+            decode step would have loaded in this cycle's place), ``None`` without a runtime.
         expected_tokens / predicted_time: the policy's predictions for its selection
             (``nan`` when the policy does not model them).
     """
@@ -207,6 +209,7 @@ class CycleRecord:
     verify_seconds: float
     levels_drafted: int = 0
     experts_loaded: int | None = None
+    root_experts_loaded: int | None = None
     expected_tokens: float = math.nan
     predicted_time: float = math.nan
 

@@ -206,6 +206,33 @@ def test_lru_miss_counts_match_simulation(arch):
         runtime.detach()
 
 
+def test_first_row_misses_count_what_the_first_token_alone_needed():
+    model = build_model("qwen3_moe", seed=4)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS // 2, policy="lru")
+    try:
+        with torch.no_grad():
+            model(PROMPT[:, :1])  # one row: every miss is the first row's
+            assert runtime.stats.total.first_row_misses == runtime.stats.total.misses > 0
+            partial = []
+            for trial in range(6):
+                if trial % 2:
+                    runtime.flush()
+                before = {idx: runtime.resident_mask(idx).clone() for idx in runtime.moe_layers}
+                stats_before = runtime.stats.total.copy()
+                model(PROMPT[:, 2 + trial: 6 + trial])  # four rows
+                delta = runtime.stats.total - stats_before
+                expected = 0
+                for idx in runtime.moe_layers:
+                    first = runtime.last_routing(idx)[0].unique()
+                    expected += int((~before[idx][first]).sum())  # the first row's experts not resident before
+                assert delta.first_row_misses == expected
+                assert 0 <= delta.first_row_misses <= delta.misses
+                partial.append(0 < delta.first_row_misses < delta.misses)
+            assert any(partial)  # the other rows' misses are not counted
+    finally:
+        runtime.detach()
+
+
 def test_non_persistent_cache_misses_every_forward():
     model = build_model("qwen3_moe", seed=3)
     runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS)

@@ -674,6 +674,77 @@ def test_probe_drafts_a_chain_verifies_the_root_and_learns_from_the_tokens_that_
     assert policy.gate.state.counts[PROBE] == 1 and policy.gate.state.counts["plain"] == 1
 
 
+def test_chain_probe_verifies_its_chain_and_measures_the_depths_below_it():
+    from specfit_hf.selection.gate import PROBE_DEPTH, probe_kind
+
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0), expert_predictor="none")
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    policy.gate.choose = lambda: probe_kind(1)  # a chain of one level, probed PROBE_DEPTH deeper
+    tree = DraftTree(root_token=5)
+    sel = policy.select(tree, ctx)
+    tokens = [10, 11, 12, 13][: 1 + PROBE_DEPTH]
+    for level, token in enumerate(tokens):
+        tree.add_level(torch.tensor([token]), torch.tensor([level - 1]), torch.tensor([0.5]))
+        sel = policy.select(tree, ctx)
+        if level + 1 < len(tokens):
+            assert not sel.stop and sel.expand.tolist() == [level] and sel.children == 1
+    assert sel.stop and sel.nodes.tolist() == [0]  # only the chain is verified
+    record = CycleRecord(nodes_drafted=len(tokens), nodes_verified=1, tokens_accepted=1, tokens_committed=2,
+                         cycle_seconds=0.02, draft_seconds=0.005, select_seconds=0.0, verify_seconds=0.015,
+                         levels_drafted=len(tokens))
+    before = policy.gate.state.depth_slow.copy()
+    # depth 1 verified and accepted; the bonus token equals the probe's depth-2 token: depth 2 accepted too
+    policy.observe(tree, sel, VerifyResult(accepted=[0], accepted_positions=[0, 1], new_tokens=[10, 11],
+                                           bonus_token=11), record)
+    grown = policy.gate.state.depth_slow - before * (1 - 0.01)
+    assert grown[1, 0] == pytest.approx(1.0) and grown[0, 0] == pytest.approx(1.0)  # the verified depth
+    assert grown[1, 1] == pytest.approx(1.0) and grown[0, 1] == pytest.approx(1.0)  # the probed one
+    if PROBE_DEPTH >= 2:
+        assert policy._shadow == [12]  # depth 3 waits for the next committed token
+    # a probe whose verified chain is rejected measures nothing deeper
+    policy._shadow = []
+    tree2 = DraftTree(root_token=11)
+    policy.select(tree2, ctx)
+    for level, token in enumerate(tokens):
+        tree2.add_level(torch.tensor([token]), torch.tensor([level - 1]), torch.tensor([0.5]))
+        sel2 = policy.select(tree2, ctx)
+    before = policy.gate.state.depth_slow.copy()
+    record2 = CycleRecord(nodes_drafted=len(tokens), nodes_verified=1, tokens_accepted=0, tokens_committed=1,
+                          cycle_seconds=0.02, draft_seconds=0.005, select_seconds=0.0, verify_seconds=0.015,
+                          levels_drafted=len(tokens))
+    policy.observe(tree2, sel2, VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[11], bonus_token=11),
+                   record2)
+    grown = policy.gate.state.depth_slow - before * (1 - 0.01)
+    assert grown[1, 0] == pytest.approx(1.0) and grown[0, 0] == pytest.approx(0.0)
+    assert grown[1, 1:].sum() == pytest.approx(0.0) and not policy._shadow
+
+
+def test_gate_probes_deeper_depths_instead_of_verifying_a_deeper_chain():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements, probe_kind
+
+    state = DraftingMeasurements(interval=2)
+    gate = DraftingGate(state, True, ["plain", "chain:1", "chain:2", "chain:3", "tree"], 2, 4)
+    state.draft.add(1, 1, 0.001, 1.0)  # a draft level: 1 ms
+    seq = []
+    for _ in range(80):
+        kind = gate.choose()
+        seq.append(kind)
+        h = int(kind.split(":")[1]) if ":" in kind else 0
+        seconds = 0.010 + 0.002 * h + (0.001 * 2 if kind.startswith("probe:") else 0.0)
+        if kind == "tree":
+            gate.observe(kind, 2, 0.05, nodes=3, accepted=1)
+        else:
+            accepted = h if h <= 2 else 2  # depths 1-2 always accepted, depth 3 never
+            gate.observe(kind, accepted + 1, seconds, nodes=h, accepted=accepted)
+            if kind.startswith("probe:") and accepted == h:
+                gate.record_depth(h + 1, h + 1 <= 2)
+    assert seq[-1] == "chain:2"  # depth 2 pays
+    # once chain:3 showed depth 3 fails it is not verified again: probes of chain:2 re-measure depth 3
+    assert "chain:3" not in seq[10:]
+    assert probe_kind(2) in seq[10:]
+
+
 def test_gate_probes_instead_of_verifying_chains_while_plain_decoding_is_best():
     from specfit_hf.selection.gate import PROBE, DraftingGate, DraftingMeasurements
 

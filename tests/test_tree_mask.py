@@ -77,3 +77,23 @@ def test_tree_forward_equals_linear_branches(name, forest, prefix):
             path = [tokens[j] for j in range(len(tokens)) if anc[i, j]]  # ancestors in order (parents precede)
             linear = m(torch.tensor([prefix + path])).logits[0, -1]
             torch.testing.assert_close(tree_logits[i], linear, atol=2e-5, rtol=1e-4)
+
+
+def test_attention_layer_kinds_are_read_once_per_config(monkeypatch):
+    from transformers import Qwen3MoeConfig
+
+    from specfit_hf.generation import tree_mask
+
+    config = Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                            vocab_size=64)
+    with pytest.raises(TypeError):
+        hash(config)  # transformers configs compare by value: the cache cannot key on them
+    calls = []
+    read = tree_mask._read_attention_layer_kinds
+    monkeypatch.setattr(tree_mask, "_read_attention_layer_kinds", lambda c: calls.append(c) or read(c))
+    first = tree_mask._attention_layer_kinds(config)
+    assert tree_mask._attention_layer_kinds(config) == first and len(calls) == 1
+    config.layer_types = ["sliding_attention"] * 2  # a changed config is read again
+    config.sliding_window = 8
+    assert tree_mask._attention_layer_kinds(config) == (False, True, 8) and len(calls) == 2

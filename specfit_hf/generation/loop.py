@@ -230,6 +230,7 @@ def tree_speculative_decoding(
         while not finished:
             cycle_start = clock()
             loads_before = None if experts is None else experts.loads()
+            root_loads_before = None if experts is None else experts.root_loads()
             prefix_len = cache.get_seq_length()
             root = int(sequence[0, -1])
 
@@ -282,6 +283,7 @@ def tree_speculative_decoding(
                 verify_seconds=verify_s,
                 levels_drafted=candidates.tree.num_levels,
                 experts_loaded=None if experts is None else experts.loads() - loads_before,
+                root_experts_loaded=None if experts is None else experts.root_loads() - root_loads_before,
                 expected_tokens=float(candidates.selection.expected_tokens),
                 predicted_time=float(candidates.selection.predicted_time),
             )

@@ -13,6 +13,7 @@ attention a boolean 4D mask would silently give wrong logits.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -112,25 +113,24 @@ def visibility_to_mask(
     return mask
 
 
-# config -> ((layer_types, sliding_window) when read, the answer): asked every cycle, and
-# reading the layer types costs about as much as a small tree's whole mask
-_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(config) -> (weak reference to the config, (layer_types, sliding_window) when read, the
+# answer): asked every cycle, and reading the layer types costs about as much as a small
+# tree's whole mask.  Keyed by id: transformers configs compare by value and are unhashable.
+_KINDS: dict[int, tuple[Any, tuple, tuple[bool, bool, int | None]]] = {}
 
 
 def _attention_layer_kinds(config) -> tuple[bool, bool, int | None]:
     """(has full-attention layers, has sliding-window layers, the window) from a model config."""
     key = (tuple(getattr(config, "layer_types", None) or ()), getattr(config, "sliding_window", None))
-    try:
-        known = _KINDS.get(config)
-    except TypeError:  # not weak-referenceable
-        known = None
-    if known is not None and known[0] == key:
-        return known[1]
+    known = _KINDS.get(id(config))
+    if known is not None and known[0]() is config and known[1] == key:
+        return known[2]
     kinds = _read_attention_layer_kinds(config)
     try:
-        _KINDS[config] = (key, kinds)
-    except TypeError:
-        pass
+        ref = weakref.ref(config, lambda _, i=id(config): _KINDS.pop(i, None))
+    except TypeError:  # not weak-referenceable: read it every time
+        return kinds
+    _KINDS[id(config)] = (ref, key, kinds)
     return kinds
 
 

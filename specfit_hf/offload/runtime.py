@@ -155,6 +155,13 @@ def _full_experts_state(layer: _MoELayer, module: nn.Module, state_dict: dict, p
             state_dict[prefix + name] = layer.host[name]
 
 
+def _first_row_misses(missing: np.ndarray, first: np.ndarray, single: bool) -> int:
+    """How many of a forward's ``missing`` experts its first row routed to (all of them for one row)."""
+    if single or not len(missing):
+        return len(missing)
+    return len(set(missing.tolist()).intersection(first.tolist()))
+
+
 def _in_id_order(slots: np.ndarray) -> bool:
     """True when slots listed in ascending expert id are themselves ascending."""
     return bool(np.all(slots[1:] > slots[:-1]))
@@ -390,17 +397,23 @@ class OffloadRuntime:
             # numpy on a few dozen ids is several times cheaper than torch.unique
             ids = top_k_index.numpy()
             needed = np.unique(ids)
+            first = ids[0]
             inverse = None
         else:
             uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
-            needed = uniq.cpu().numpy()  # the one host sync per layer: residency is decided on the host
+            # the one host sync per layer (residency is decided on the host), with the first row's experts
+            both = torch.cat([uniq, inverse.reshape(top_k_index.shape[0], -1)[0].to(uniq.dtype)]).cpu().numpy()
+            needed = both[: uniq.numel()]
+            first = needed[both[uniq.numel():]]
         num_needed = len(needed)
+        single = top_k_index.shape[0] == 1
         layer.stats.forwards += 1
         self._stats.total.forwards += 1
 
         if num_needed <= cache.num_slots:
             slots, load_experts, load_slots = cache.assign(needed, tick)
-            self._count(layer, num_needed - len(load_experts), len(load_experts))
+            self._count(layer, num_needed - len(load_experts), len(load_experts),
+                        _first_row_misses(load_experts, first, single))
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
             if not _in_id_order(slots):
@@ -421,7 +434,8 @@ class OffloadRuntime:
         self._stats.total.multi_wave_forwards += 1
         resident = cache.slot_of[needed] >= 0
         order = np.concatenate([np.flatnonzero(resident), np.flatnonzero(~resident)])
-        self._count(layer, int(resident.sum()), int(num_needed - resident.sum()))
+        self._count(layer, int(resident.sum()), int(num_needed - resident.sum()),
+                    _first_row_misses(needed[~resident], first, single))
         partial = torch.zeros_like(hidden)
         waves = [order[i:i + cache.num_slots] for i in range(0, num_needed, cache.num_slots)]
         for wave_no, positions in enumerate(waves):
@@ -448,11 +462,13 @@ class OffloadRuntime:
             partial.index_add_(0, rows, out.to(partial.dtype))
         raise AssertionError("unreachable")
 
-    def _count(self, layer: _MoELayer, hits: int, misses: int) -> None:
+    def _count(self, layer: _MoELayer, hits: int, misses: int, first_row_misses: int = 0) -> None:
         total = self._stats.total
         layer.stats.hits += hits
         total.hits += hits
         if misses:
+            layer.stats.first_row_misses += first_row_misses
+            total.first_row_misses += first_row_misses
             nbytes = misses * self.expert_bytes
             layer.stats.misses += misses
             layer.stats.bytes_h2d += nbytes

@@ -21,6 +21,7 @@ class TransferStats:
     transfer_seconds: float = 0.0
     forwards: int = 0
     multi_wave_forwards: int = 0  # forwards that routed to more distinct experts than slots
+    first_row_misses: int = 0  # of the misses, those the forward's first row routed to (its root)
 
     @property
     def hit_rate(self) -> float:

@@ -72,6 +72,14 @@ class ExpertCacheView:
         """Expert loads (cache misses) so far, all layers: cycles difference it."""
         return int(self._runtime.stats.total.misses)
 
+    def root_loads(self) -> int:
+        """Of :meth:`loads`, those a forward's first row routed to (a verify block's root; all of a one-row forward's).
+
+        What each forward would have loaded for its first token alone: a drafting cycle's
+        difference is what a plain decode step would have loaded in its place.
+        """
+        return int(self._runtime.stats.total.first_row_misses)
+
     def transfer_seconds(self) -> float | None:
         """Seconds one expert load takes on the emulated link, or ``None`` without one."""
         link = self._runtime.link

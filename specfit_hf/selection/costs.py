@@ -121,13 +121,15 @@ class CycleCostTracker:
         """Learn from a measured cycle.
 
         ``predicted_added``: the misses the forecast predicted the verified nodes add to the
-        root's; ``root_loads``: the loads the root alone needed (a plain cycle: all of them).
+        root's; ``root_loads``: the loads the root alone needed (a plain cycle: all of them; ``None``
+        for a drafting cycle whose routing was not read).
         """
         self._models.clear()
         seconds, draft_s, select_s = record.cycle_seconds, record.draft_seconds, record.select_seconds
         loads = record.experts_loaded
-        if loads is not None:
-            root = loads if root_loads is None or not record.nodes_verified else min(root_loads, loads)
+        if loads is not None and (root_loads is not None or not record.nodes_verified):
+            # a drafting cycle whose routing was not read teaches nothing about loads
+            root = loads if not record.nodes_verified else min(root_loads, loads)
             total, cycles = self._root_sums
             self._root_sums = (_LOAD_DECAY * total + root, _LOAD_DECAY * cycles + 1.0)
             if record.nodes_verified and predicted_added is not None and root_loads is not None:

@@ -33,12 +33,14 @@ nodes)`` per cycle with ``m`` the *current* mean: kinds measured in a cold phase
 kinds measured in a warm one compare as if measured now.
 
 **Exploring only what could win, within a budget.**  Every kind runs once first (the
-tree a burst of two).  After that a kind is re-measured only if it could unseat the best:
-while a chain runs, the next deeper chain and the tree (plain steps and shorter chains are
-known: one token, and depths the chain already measures); while plain decoding runs, a
-:data:`PROBE` -- a plain step that drafts a short chain without verifying it, whose tokens
-are compared with the ones the target then commits (a match is exactly an acceptance,
-greedy or sampled), for a draft level's cost and none of a verified chain's expert loads.
+tree a burst of two).  After that only what could unseat the best is measured, and as
+cheaply as it can be: the tree by a burst of its own cycles, a deeper chain by a
+*probe* (:func:`probe_kind`) -- a cycle of the running kind (plain or ``chain:h``) that
+drafts :data:`PROBE_DEPTH` more levels and does not verify them.  Its extra tokens are
+compared with the ones the target then commits (a match is exactly an acceptance, greedy
+or sampled), so the acceptance of the next depths is measured for a draft level's cost
+each, without a verified token's compute and expert loads.  (Shorter chains and plain
+steps are known: a chain of ``h`` levels measures every depth up to ``h``.)
 Explorations come every ``interval`` cycles (doubling while the best holds, up to
 ``max_explore_every``) and only while their cost, in cycles of the best kind, stays within
 :data:`_EXPLORE_BUDGET` of the cycles since the last one.  A kind within 5% of the running
@@ -58,7 +60,10 @@ import numpy as np
 
 from .calibration import nonnegative_ridge
 
-__all__ = ["PROBE", "DraftCost", "DraftingMeasurements", "DraftingGate", "chain_kinds", "drafting_measurements"]
+__all__ = [
+    "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements", "kind_depth",
+    "probe_kind",
+]
 
 
 @dataclass
@@ -151,8 +156,7 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
 
 
 _MAX_CHAIN = 4  # longest fixed chain the gate ranks
-PROBE = "probe"  # a plain step that drafts a chain it does not verify (see DraftingGate._worth_exploring)
-PROBE_DEPTH = 2  # levels a probe drafts
+PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
@@ -171,6 +175,19 @@ _REFERENCE = 2  # the chain whose expected tokens the tree's are measured agains
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
     """Sums where each older cycle's weight shrinks by ``1 - a``."""
     return cycle.copy() if sums is None else (1 - a) * sums + cycle
+
+
+def probe_kind(depth: int) -> str:
+    """The probe of a chain of ``depth`` levels (0: a plain step): it drafts :data:`PROBE_DEPTH` more, unverified."""
+    return f"probe:{depth}"
+
+
+def kind_depth(kind: str) -> int:
+    """Levels a kind verifies: ``h`` for ``chain:h`` and ``probe:h``, 0 for ``plain``."""
+    return int(kind.split(":")[1]) if ":" in kind else 0
+
+
+PROBE = probe_kind(0)  # a plain step that drafts a chain it does not verify
 
 
 def chain_kinds(max_depth: int) -> list[str]:
@@ -243,7 +260,7 @@ class DraftingGate:
             if chain_tokens is not None and kind.startswith("chain:"):
                 # the same acceptance for every chain: each kind's own cycles ran in other
                 # stretches of the text, whose acceptance differs far more than the kinds do
-                tokens = chain_tokens[int(kind.split(":")[1])] * cycles
+                tokens = chain_tokens[kind_depth(kind)] * cycles
             elif chain_tokens is not None and kind == "tree" and reference > 0:
                 # the tree's tokens relative to the reference chain's when its cycles ran, at today's
                 # acceptance where that is lower (never higher: the tree is a costly bet to make on a guess)
@@ -256,7 +273,7 @@ class DraftingGate:
             # A chain's own cycles would price it by the stretch of text and cache it last ran in.
             plain = sums["plain"][1] / sums["plain"][2]
             verify = state.verify.last_fit if state.verify is not None else None
-            levels = [(int(k.split(":")[1]), v) for k, v in sums.items() if k.startswith("chain:")]
+            levels = [(kind_depth(k), v) for k, v in sums.items() if k.startswith("chain:")]
             if state.draft.t_level is not None and verify is not None:
                 level_cost = lambda h: state.draft.predict(h, h) + verify.t_token * h  # noqa: E731
             elif levels:
@@ -266,9 +283,15 @@ class DraftingGate:
                 level_cost = None
             for kind in self.kinds if level_cost is not None else ():
                 if kind.startswith("chain:"):
-                    h = int(kind.split(":")[1])
+                    h = kind_depth(kind)
                     seconds = plain + level_cost(h) + state.t_expert * (m + per_node * h)
                     out[kind] = (float(chain_tokens[h]), float(seconds))
+        if state.draft.t_level is not None:
+            # a probe: the cycle it stands in for, plus the levels it drafts and does not verify
+            extra = state.draft.predict(PROBE_DEPTH, PROBE_DEPTH)
+            for base in [k for k in self.kinds if k == "plain" or k.startswith("chain:")]:
+                if base in out:
+                    out[probe_kind(kind_depth(base))] = (out[base][0], out[base][1] + extra)
         self._figures = (state.version, out)
         return out
 
@@ -336,7 +359,7 @@ class DraftingGate:
                 return (state.cycle - state.last_run.get(k, -1)) * ratio * ratio
 
             kind = max(self._worth_exploring(best), key=due)
-            burst = 1 if kind == PROBE else self.burst  # a probe is one cycle (it verifies nothing)
+            burst = 1 if kind.startswith("probe:") else self.burst  # a probe measures in one cycle
             if (state.cycle - state.explored_at) * _EXPLORE_BUDGET >= burst * self._regret(kind, best):
                 state.explored_at, state.exploring, state.explore_left = state.cycle, kind, burst - 1
                 state.best_before = best
@@ -368,17 +391,19 @@ class DraftingGate:
 
         A chain's tokens come from the acceptance of each depth and the plain step's are 1,
         so a chain of ``h`` levels teaches everything about plain cycles and shorter chains:
-        only a deeper chain (the acceptance of the next depth) and the tree are unknowns.
-        While plain decoding runs, whether drafting pays again is measured by a
-        :data:`PROBE`: a plain step that drafts a short chain without verifying it, whose
-        tokens are compared with the ones the target then commits (the acceptance of each
-        depth for a draft level's cost, without the expert loads a verified chain brings).
+        only the deeper depths and the tree are unknowns.  The deeper depths are measured by
+        a probe of ``best`` (:func:`probe_kind`): the same cycle drafting
+        :data:`PROBE_DEPTH` more levels it does not verify, whose tokens are compared with
+        the ones the target then commits -- the acceptance of each depth for a draft
+        level's cost, without the compute and expert loads of verifying it.  The tree is
+        re-measured only while a chain runs (it competes with chains, see :meth:`best`).
         """
         if best == "plain" and self._chains:
             return [PROBE]
         if best.startswith("chain:"):
-            deeper = f"chain:{int(best.split(':')[1]) + 1}"
-            return [k for k in self.kinds if k in (deeper, "tree")]
+            h = kind_depth(best)
+            deeper = [probe_kind(h)] if f"chain:{h + 1}" in self.kinds else []
+            return deeper + [k for k in self.kinds if k == "tree"]
         return [k for k in self.kinds if k != best]
 
     def observe(self, kind: str, tokens: int, seconds: float, loads: int | None = None,
@@ -387,36 +412,39 @@ class DraftingGate:
         """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
-        alone needed (plain cycles: all); ``t_expert``: seconds per load (the cost model's);
+        alone needed (plain cycles: all; ``None`` for a drafting cycle whose routing was not
+        read: its loads then teach neither the root mean nor the node fit);
+        ``t_expert``: seconds per load (the cost model's);
         ``nodes``: draft nodes verified; ``accepted``: of those, the ones accepted (a chain
         cycle's acceptance feeds :meth:`depth_acceptance`).  Without ``loads`` the cycle
         counts with its transfers in its seconds.
         """
         state = self.state
         if loads is not None:
-            root = loads if root_loads is None or kind == "plain" else min(root_loads, loads)
             seconds = max(seconds - t_expert * loads, 0.0)
-            if nodes:
-                # the nodes' loads beyond the root's, against the root mean when they ran
-                x = float(nodes) * np.array([1.0, state.root_loads or 0.0])
-                state.node_xtx = _NODE_DECAY * state.node_xtx + np.outer(x, x)
-                state.node_xty = _NODE_DECAY * state.node_xty + x * float(loads - root)
-                state.node_loads = nonnegative_ridge(state.node_xtx, state.node_xty, np.array([0.0, 1.0]),
-                                                     _NODE_RIDGE)
-            state.root_loads = root if state.root_loads is None else (
-                (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
             state.t_expert = t_expert
             state.call_cycle += 1
-            if state.call_cycle <= _START_CYCLES:
-                state.start_loads = float(root) if state.start_loads is None else (
-                    (1 - _START_EMA) * state.start_loads + _START_EMA * root)
+            if not nodes or root_loads is not None:  # the root's own loads are known
+                root = loads if not nodes else min(root_loads, loads)
+                if nodes:
+                    # the nodes' loads beyond the root's, against the root mean when they ran
+                    x = float(nodes) * np.array([1.0, state.root_loads or 0.0])
+                    state.node_xtx = _NODE_DECAY * state.node_xtx + np.outer(x, x)
+                    state.node_xty = _NODE_DECAY * state.node_xty + x * float(loads - root)
+                    state.node_loads = nonnegative_ridge(state.node_xtx, state.node_xty, np.array([0.0, 1.0]),
+                                                         _NODE_RIDGE)
+                state.root_loads = root if state.root_loads is None else (
+                    (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
+                if state.call_cycle <= _START_CYCLES:
+                    state.start_loads = float(root) if state.start_loads is None else (
+                        (1 - _START_EMA) * state.start_loads + _START_EMA * root)
         chain_tokens = self.chain_tokens()  # the acceptance before this cycle: what the kind was chosen under
         reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
         cycle = np.array([tokens, seconds, 1.0, float(nodes), reference], dtype=np.float64)
         state.sums[kind] = _decayed_add(state.sums.get(kind), cycle, _KIND_EMA)
         state.depth_fast *= 1 - _DEPTH_FAST
         state.depth_slow *= 1 - _DEPTH_SLOW
-        if kind.startswith("chain:") and accepted is not None and nodes:
+        if kind != "tree" and accepted is not None and nodes:  # a chain, or a probe's verified chain
             # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
             for d in range(1, min(accepted + 1, nodes, _MAX_CHAIN) + 1):
                 self.record_depth(d, d <= accepted)

@@ -39,8 +39,8 @@ from .acceptance import AcceptanceModel
 from .calibration import calibrate
 from .costs import CycleCostTracker, default_cost_model
 from .experts import make_predictor
-from .forecast import ExpertForecast, root_missing
-from .gate import PROBE, PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements
+from .forecast import ExpertForecast
+from .gate import PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements, kind_depth
 from .lookahead import LookAhead, useful_children
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
@@ -49,7 +49,7 @@ from .search import CostModel, closed_part, save_instance, select_chain, select_
 __all__ = ["SpecFitPolicy"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
-_SAMPLE_EVERY = 4  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
+_SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 
 
 @register_policy("specfit")
@@ -110,10 +110,10 @@ class SpecFitPolicy(SelectionPolicy):
             self.reset(ctx)
         if len(tree) == 0:
             return self._before_drafting(tree)
-        if self._kind == PROBE:
-            return self._probe_cycle(tree)
+        if self._kind.startswith("probe:"):
+            return self._probe_cycle(tree, kind_depth(self._kind))
         if self._kind != "tree":
-            return self._chain_cycle(tree, int(self._kind.split(":")[1]))
+            return self._chain_cycle(tree, kind_depth(self._kind))
         path = self.acceptance.path(tree)
         root_predicted = self.forecast.root_missing(tree)
         cost = self.costs.cycle_model(tree.num_levels, len(tree), root_predicted)
@@ -133,18 +133,18 @@ class SpecFitPolicy(SelectionPolicy):
         """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all.
 
         Its figures are the gate's (one per-depth acceptance for every chain, the cost from
-        fitted components): no per-node forecast is needed to run it.  Every few cycles the
-        experts are forecast anyway, so the cost model keeps learning what verified nodes add
-        (:meth:`_sampled`).
+        fitted components): no per-node forecast is needed to run it.  Every few cycles
+        (:meth:`_sampled`) the experts are forecast anyway, so the tree's cost model keeps
+        learning what verified nodes add; the other cycles skip that host time.
         """
         n = len(tree)
         nodes = torch.arange(n, dtype=torch.long)
         if tree.num_levels < min(depth, self.max_depth) and n == tree.num_levels:
             return Selection(nodes=nodes, stop=False, expand=torch.tensor([n - 1]), children=1)
-        self.forecast.snapshot(tree)  # the residents before the verify: what the root alone would have loaded
         figures = self.gate.cycle_figures().get(self._kind)
         chain = n == tree.num_levels
-        if figures is not None and not (chain and self._sampled()):
+        sampled = self._sampled()
+        if figures is not None and not (chain and sampled):
             expected, seconds = figures
         else:  # not measured yet, or a sampled cycle: the per-node forecast
             root_predicted = self.forecast.root_missing(tree)
@@ -159,19 +159,20 @@ class SpecFitPolicy(SelectionPolicy):
         """Whether this fixed-chain cycle also feeds the tree's models (forecast, calibrator)."""
         return self.gate.state.cycle % _SAMPLE_EVERY == 0
 
-    def _probe_cycle(self, tree: DraftTree) -> Selection:
-        """A probe: draft a short chain of one child per level, then verify the root alone.
+    def _probe_cycle(self, tree: DraftTree, depth: int) -> Selection:
+        """A probe: draft a chain :data:`~.gate.PROBE_DEPTH` levels deeper than ``depth``, verify ``depth`` of it.
 
-        The chain's tokens are compared with what the target commits next (:meth:`observe`).
+        The unverified tokens are compared with what the target commits (:meth:`observe`).
         """
         n = len(tree)
-        if tree.num_levels < min(PROBE_DEPTH, self.max_depth) and n == tree.num_levels:
+        if tree.num_levels < min(depth + PROBE_DEPTH, self.max_depth) and n == tree.num_levels:
             return Selection(nodes=_EMPTY, stop=False, expand=torch.tensor([n - 1]), children=1)
-        tokens, seconds = self.gate.cycle_figures().get(PROBE, (1.0, math.nan))
-        return Selection(nodes=_EMPTY, expected_tokens=tokens, predicted_time=seconds, stop=True)
+        tokens, seconds = self.gate.cycle_figures().get(self._kind, (1.0, math.nan))
+        nodes = torch.arange(min(depth, n), dtype=torch.long)
+        return Selection(nodes=nodes, expected_tokens=tokens, predicted_time=seconds, stop=True)
 
     def _follow_shadow(self, committed: list[int]) -> None:
-        """Compare a probe's unverified chain with the tokens the target committed, depth by depth."""
+        """Compare a probe's unverified tokens with the tokens the target committed, depth by depth."""
         for token in committed:
             if not self._shadow:
                 return
@@ -274,32 +275,34 @@ class SpecFitPolicy(SelectionPolicy):
     # -------------------------------------------------------------- learning
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: CycleRecord) -> None:
         """Learn from the verified cycle: acceptance, cycle costs, drafting rates, routing."""
-        if not self._kind.startswith("chain:") or self._sampled():
-            # fixed chains rank on the gate's per-depth acceptance: the tree's calibrator learns
-            # from them on sampled cycles only (its update is host time on every chain cycle)
+        # fixed chains rank on the gate's per-depth acceptance: the tree's models (calibrator,
+        # expert forecast, the loads verified nodes add) learn from them on sampled cycles only
+        full = not self._kind.startswith("chain:") or self._sampled()
+        if full:
             self.acceptance.observe(tree, selection, result, greedy=self.greedy)
         if self.costs is None:
             return
-        predicted = self.forecast.selection_missing(tree, selection)
-        added = None if predicted is None else predicted - self.forecast.root_missing(tree)
-        cached = self.forecast.cached if len(tree) and self.forecast.current is not None else None
-        routing = self.forecast.observe(tree, selection)
-        root_loads = None
-        if routing is not None and cached is not None and self.forecast.current.tree is tree:
-            root_loads = root_missing(routing[0], cached)  # what a plain step would have loaded now
+        added = None
+        if full:
+            predicted = self.forecast.selection_missing(tree, selection)
+            added = None if predicted is None else predicted - self.forecast.root_missing(tree)
+            self.forecast.observe(tree, selection)  # the predictor learns the verified routing
+        root_loads = record.root_experts_loaded  # what a plain step would have loaded in this cycle's place
         self.costs.observe(tree, selection, record, added, root_loads)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
                               record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
                               record.nodes_verified, record.tokens_accepted)
         committed = list(result.new_tokens[: record.tokens_committed])
-        self._follow_shadow(committed)  # an earlier probe's chain against this cycle's tokens
-        if self._kind == PROBE and len(tree) and tree.num_levels == len(tree):
-            # greedy: the target commits a token iff it is its argmax; sampling: it draws token x
-            # with probability p(x), the chance a verified child x is accepted -- either way a
-            # match is an outcome of verifying that chain
-            self._shadow, self._shadow_depth = tree.tokens.tolist(), 0
-            self._follow_shadow(committed)
+        self._follow_shadow(committed)  # an earlier probe's tokens against this cycle's
+        depth = record.nodes_verified
+        if self._kind.startswith("probe:") and len(tree) == tree.num_levels > depth == len(result.accepted):
+            # the verified part was all accepted: the next committed token is the target's own at
+            # the first unverified depth.  Greedy: the target commits a token iff it is its argmax;
+            # sampling: it draws token x with probability p(x), the chance a verified child x is
+            # accepted -- either way a match is an outcome of verifying that deeper chain
+            self._shadow, self._shadow_depth = tree.tokens[depth:].tolist(), depth
+            self._follow_shadow(committed[depth:])
 
     def report(self) -> dict[str, Any]:
         """Online figures: cost model, cycle-time MAPE, acceptance observations."""
