@@ -216,6 +216,8 @@ class DraftingGate:
         self.max_explore_every = max(explore_every, max_explore_every)
         self.burst = _BURST
         self._chains = [k for k in self.kinds if k.startswith("chain:")]
+        self._chain_depths = [(k, kind_depth(k)) for k in self._chains]
+        self._probes = [(k, probe_kind(kind_depth(k))) for k in self.kinds if k == "plain" or k in self._chains]
         chains = self._chains
         first = "chain:2" if "chain:2" in chains else chains[0] if chains else None
         self._first = [k for k in self.kinds if k == "plain"] + [first] if chains else list(self.kinds)
@@ -254,44 +256,45 @@ class DraftingGate:
         m = state.root_loads or 0.0
         per_node = float(state.node_loads[0] + state.node_loads[1] * m)  # a node's extra loads now
         chain_tokens = self.chain_tokens()
+        ct = None if chain_tokens is None else chain_tokens.tolist()
+        t_expert = state.t_expert
         out = {}
-        for kind, (tokens, seconds, cycles, nodes, reference) in sums.items():
-            transfers = state.t_expert * (m * cycles + per_node * nodes)
-            if chain_tokens is not None and kind.startswith("chain:"):
+        for kind, v in sums.items():
+            tokens, seconds, cycles, nodes, reference = v.tolist()
+            transfers = t_expert * (m * cycles + per_node * nodes)
+            if ct is not None and kind.startswith("chain:"):
                 # the same acceptance for every chain: each kind's own cycles ran in other
                 # stretches of the text, whose acceptance differs far more than the kinds do
-                tokens = chain_tokens[kind_depth(kind)] * cycles
-            elif chain_tokens is not None and kind == "tree" and reference > 0:
+                tokens = ct[kind_depth(kind)] * cycles
+            elif ct is not None and kind == "tree" and reference > 0:
                 # the tree's tokens relative to the reference chain's when its cycles ran, at today's
                 # acceptance where that is lower (never higher: the tree is a costly bet to make on a guess)
-                tokens *= min(chain_tokens[_REFERENCE] * cycles / reference, 1.0)
-            out[kind] = (float(tokens / cycles), float((seconds + transfers) / cycles))
-        if chain_tokens is not None and "plain" in sums:
+                tokens *= min(ct[_REFERENCE] * cycles / reference, 1.0)
+            out[kind] = (tokens / cycles, (seconds + transfers) / cycles)
+        if ct is not None and "plain" in sums:
             # A chain of h levels costs the plain step plus h levels, each a draft step (with the
             # search after it) and a verified token, from the fits every drafting cycle feeds
             # (probes included); without those fits, what a level cost in the chains that ran.
             # A chain's own cycles would price it by the stretch of text and cache it last ran in.
-            plain = sums["plain"][1] / sums["plain"][2]
+            plain = float(sums["plain"][1] / sums["plain"][2])
             verify = state.verify.last_fit if state.verify is not None else None
-            levels = [(kind_depth(k), v) for k, v in sums.items() if k.startswith("chain:")]
-            if state.draft.t_level is not None and verify is not None:
-                level_cost = lambda h: state.draft.predict(h, h) + verify.t_token * h  # noqa: E731
-            elif levels:
-                per_level = float(np.mean([max(v[1] / v[2] - plain, 0.0) / h for h, v in levels]))
-                level_cost = lambda h: per_level * h  # noqa: E731
+            draft = state.draft
+            if draft.t_level is not None and verify is not None:
+                per_level = draft.t_level + draft.t_node + verify.t_token
             else:
-                level_cost = None
-            for kind in self.kinds if level_cost is not None else ():
-                if kind.startswith("chain:"):
-                    h = kind_depth(kind)
-                    seconds = plain + level_cost(h) + state.t_expert * (m + per_node * h)
-                    out[kind] = (float(chain_tokens[h]), float(seconds))
+                levels = [(h, sums[k]) for k, h in self._chain_depths if k in sums]
+                per_level = float(np.mean([max(v[1] / v[2] - plain, 0.0) / h for h, v in levels])) if levels else None
+            if per_level is not None:
+                root = plain + t_expert * m
+                for kind, h in self._chain_depths:
+                    out[kind] = (ct[h], root + h * (per_level + t_expert * per_node))
         if state.draft.t_level is not None:
             # a probe: the cycle it stands in for, plus the levels it drafts and does not verify
             extra = state.draft.predict(PROBE_DEPTH, PROBE_DEPTH)
-            for base in [k for k in self.kinds if k == "plain" or k.startswith("chain:")]:
+            for base, probe in self._probes:
                 if base in out:
-                    out[probe_kind(kind_depth(base))] = (out[base][0], out[base][1] + extra)
+                    tokens, seconds = out[base]
+                    out[probe] = (tokens, seconds + extra)
         self._figures = (state.version, out)
         return out
 
@@ -316,7 +319,13 @@ class DraftingGate:
         version = self.state.version
         if self._chain_tokens is None or self._chain_tokens[0] != version:
             p = self.depth_acceptance()
-            tokens = None if p is None else np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(p))])
+            tokens = None
+            if p is not None:
+                out, reach = [1.0], 1.0
+                for p_d in p.tolist():
+                    reach *= p_d  # the chance every depth up to this one is accepted
+                    out.append(out[-1] + reach)
+                tokens = np.array(out)
             self._chain_tokens = (version, tokens)
         return self._chain_tokens[1]
 
