@@ -31,6 +31,16 @@ if TYPE_CHECKING:  # annotations only: the offload stage never imports this modu
 __all__ = ["DraftTree", "Selection", "VerifyResult", "CycleRecord", "CycleContext", "OracleProbe"]
 
 
+def _flat_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.reshape(-1).to(dtype).cpu()``, skipping the steps that would change nothing (each
+    costs a few microseconds, and :meth:`DraftTree.add_level` runs after every draft level)."""
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_cpu else t.cpu()
+
+
 @dataclass
 class DraftTree:
     """A draft token tree below ``root_token``.
@@ -74,30 +84,47 @@ class DraftTree:
         ``parents`` index existing nodes (or ``-1`` for the root).  Path probabilities
         and depths are derived here so every drafter computes them the same way.
         """
-        tokens = tokens.reshape(-1).to(torch.long).cpu()
-        parents = parents.reshape(-1).to(torch.long).cpu()
-        draft_probs = draft_probs.reshape(-1).to(torch.float64).cpu()
-        if not (tokens.numel() == parents.numel() == draft_probs.numel()):
+        tokens = _flat_cpu(tokens, torch.long)
+        parents = _flat_cpu(parents, torch.long)
+        draft_probs = _flat_cpu(draft_probs, torch.float64)
+        m = tokens.numel()
+        if not (m == parents.numel() == draft_probs.numel()):
             raise ValueError("tokens, parents and draft_probs must have the same length")
         n0 = len(self)
-        if parents.numel() and int(parents.max()) >= n0:
+        # Derived fields in numpy: this runs after every draft level, and a torch op on a
+        # few rows costs 5-20 us of dispatch where numpy costs about one.
+        p = parents.numpy()
+        listed = p.tolist()  # (min / max of a few Python ints beat numpy's reductions)
+        if m and max(listed) >= n0:
             raise ValueError("a node's parent must already be in the tree")
-        has_parent = parents >= 0
-        parent_path = torch.ones_like(draft_probs)
-        parent_depth = torch.zeros_like(parents)
-        if has_parent.any():
-            parent_path[has_parent] = self.path_probs[parents[has_parent]]
-            parent_depth[has_parent] = self.depths[parents[has_parent]]
+        if n0 == 0:  # the first level: every parent is the root
+            parent_path, parent_depth = np.ones(m), np.zeros(m, dtype=np.int64)
+        elif min(listed, default=0) >= 0:  # every later level of a drafter
+            parent_path = self.path_probs.numpy()[p].astype(np.float64)
+            parent_depth = self.depths.numpy()[p].astype(np.int64)
+        else:
+            parent_path = np.ones(m)
+            parent_depth = np.zeros(m, dtype=np.int64)
+            has_parent = p >= 0
+            parent_path[has_parent] = self.path_probs.numpy()[p[has_parent]]
+            parent_depth[has_parent] = self.depths.numpy()[p[has_parent]]
+        # (cat promotes the float fields to float64, as the new rows are)
         self.tokens = torch.cat([self.tokens, tokens])
         self.parents = torch.cat([self.parents, parents])
-        self.depths = torch.cat([self.depths, parent_depth + 1])
-        self.draft_probs = torch.cat([self.draft_probs.to(torch.float64), draft_probs])
-        self.path_probs = torch.cat([self.path_probs.to(torch.float64), parent_path * draft_probs])
+        self.depths = torch.cat([self.depths, torch.from_numpy(parent_depth + 1)])
+        self.draft_probs = torch.cat([self.draft_probs, draft_probs])
+        self.path_probs = torch.cat([self.path_probs, torch.from_numpy(parent_path * draft_probs.numpy())])
         if hidden is not None:
-            hidden = hidden.reshape(tokens.numel(), -1)
-            self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden.to(self.hidden)])
+            if hidden.dim() != 2 or hidden.shape[0] != m:
+                hidden = hidden.reshape(m, -1)
+            if self.hidden is None:
+                self.hidden = hidden
+            else:
+                if hidden.dtype != self.hidden.dtype or hidden.device != self.hidden.device:
+                    hidden = hidden.to(self.hidden)
+                self.hidden = torch.cat([self.hidden, hidden])
         self.num_levels += 1
-        return torch.arange(n0, n0 + tokens.numel())
+        return torch.from_numpy(np.arange(n0, n0 + m))
 
     def level(self, depth: int) -> torch.Tensor:
         """Indices of the nodes at ``depth``."""

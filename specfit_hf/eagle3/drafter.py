@@ -34,12 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..features import decoder_layers
-from ..generation.drafter import Drafter, frontier_nodes
-from ..generation.tree_mask import grow_ancestors
+from ..generation.drafter import Drafter, newest_to_expand, without_grad
+from ..generation.tree_mask import additive_mask, causal_pattern, grow_ancestor_rows
 from ..tree import DraftTree, VerifyResult
 from .kv import DraftKVCache, causal_mask
 
@@ -80,6 +81,11 @@ class Eagle3TreeDrafter(Drafter):
         model.attach_target_embeddings(target)
         self.device = model.fc.weight.device
         self.dtype = model.fc.weight.dtype
+        self._on_cpu = self.device.type == "cpu"  # host tensors need no .to(device)
+        # bound once: module and config reads cost microseconds in every draft forward
+        self._attend = model.midlayer.self_attn.attend
+        self._next_hidden = model.next_hidden_fn()
+        self._draft_to_target = model.draft_to_target_host_fn()
         self._state = self._empty_state()
         self._tree: DraftTree | None = None
 
@@ -87,25 +93,40 @@ class Eagle3TreeDrafter(Drafter):
     def _empty_state(self) -> _DrafterState:
         return _DrafterState(DraftKVCache(), [], None, 0, None)
 
-    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-        """One draft forward over ``m`` rows appended to the cache -> (next hidden, layer output)."""
+    def _run(self, tokens: np.ndarray, hidden: torch.Tensor, positions: range | np.ndarray, mask: torch.Tensor):
+        """One draft forward over ``m`` rows appended to the cache -> (next hidden, layer output).
+
+        ``tokens`` (target ids) and ``positions`` (a ``range`` or an int array) are host
+        values: the ids become one tensor, and the rotary rows are read from the model's
+        table without a device round trip.
+        """
         cache = self._state.cache
-        attn = self.model.midlayer.self_attn
+        attend_fn = self._attend
 
         def attend(q, k, v):
             k, v = cache.append(k, v)
-            return attn.attend(q, k, v, mask)
+            return attend_fn(q, k, v, mask)
 
-        out = self.model.step(tokens[None].to(self.device), hidden[None], positions.to(self.device), attend)
-        return self.model.next_hidden(out)[0], out[0]
+        ids = torch.from_numpy(tokens.reshape(1, -1))
+        if not self._on_cpu:
+            ids = ids.to(self.device)
+        rotary = self.model.rotary_rows(positions, hidden)
+        out = self.model.step(ids, hidden[None], None, attend, rotary=rotary)[0]
+        return self._next_hidden(out), out
 
-    def _top_children(self, layer_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k (log-prob, draft id) of the next-token distribution of each row."""
-        logp = torch.log_softmax(self.model.compute_logits(layer_out).float(), dim=-1)
-        return logp.topk(self.top_k, dim=-1)
+    def _top_children(self, layer_out: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k log-probs ``[m, k]`` and their *target* token ids ``[m, k]`` of each row's
+        next-token distribution, on the host (numpy)."""
+        logits = self.model.compute_logits(layer_out)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        vals, ids = torch.log_softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        if not self._on_cpu:
+            vals, ids = vals.cpu(), ids.cpu()
+        return vals.numpy(), self._draft_to_target(ids.numpy())
 
     # -- Drafter API --------------------------------------------------------------------
-    @torch.no_grad()
+    @without_grad
     def start(self, prompt_ids: torch.LongTensor, target_features: torch.Tensor | None) -> None:
         if target_features is None:
             raise ValueError("the EAGLE-3 drafter needs the target features of the prompt")
@@ -123,15 +144,14 @@ class Eagle3TreeDrafter(Drafter):
         st = self._state
         n = prompt_ids.shape[1]
         if n > 1:
-            tokens = prompt_ids[0, 1:].cpu()
+            tokens = prompt_ids[0, 1:].cpu().numpy()
             hidden = self.model.project_features(target_features[0, :-1].to(self.device))
-            positions = torch.arange(n - 1)
-            self._run(tokens, hidden, positions, causal_mask(n - 1, 0, self.dtype, self.device))
+            self._run(tokens, hidden, range(n - 1), causal_mask(n - 1, 0, self.dtype, self.device))
             st.next_position = n - 1
         st.pending_tokens = []
         st.pending_features = [target_features[0, -1:]]
 
-    @torch.no_grad()
+    @without_grad
     def draft_level(self, tree: DraftTree, expand: torch.Tensor | None = None, children: int | None = None) -> None:
         if self._state.pending_features is None and self._tree is None:
             raise RuntimeError("call start() before draft_level()")
@@ -139,74 +159,90 @@ class Eagle3TreeDrafter(Drafter):
         if tree.num_levels == 0:
             self._begin_tree(tree)
             vals, ids = self._root_top
-            self._add_level(tree, ids[:k], vals[:k], torch.full((k,), -1, dtype=torch.long))
+            self._add_level(tree, ids[:k], vals[:k], np.full(k, -1, dtype=np.int64))
             return
         if tree is not self._tree:
             raise RuntimeError("draft_level() got a tree this drafter did not start")
-        frontier = frontier_nodes(tree, expand, self.top_k)
-        vals = self._node_top_vals[frontier][:, :k].reshape(-1)
-        ids = self._node_top_ids[frontier][:, :k].reshape(-1)
-        parents = frontier.repeat_interleave(k)
-        self._add_level(tree, ids, vals, parents)
+        # the newest level is the one this drafter added last
+        frontier = newest_to_expand(tree, expand, self.top_k, range(self._level_start, len(tree)))
+        vals = self._node_top_vals[frontier, :k].reshape(-1)
+        ids = self._node_top_ids[frontier, :k].reshape(-1)
+        self._add_level(tree, ids, vals, frontier if k == 1 else np.repeat(frontier, k))
 
     def _begin_tree(self, tree: DraftTree) -> None:
         """Run the queued target-feature pairs plus the root pair; cache them as committed."""
         st = self._state
         if st.expected_root is not None and int(tree.root_token) != st.expected_root:
             raise ValueError(f"tree root {tree.root_token} is not the last committed token {st.expected_root}")
-        tokens = torch.tensor([*st.pending_tokens, int(tree.root_token)], dtype=torch.long)
-        feats = None if st.pending_features is None else torch.cat(st.pending_features)
-        if feats is None or feats.shape[0] != tokens.numel():
+        tokens = np.array([*st.pending_tokens, int(tree.root_token)], dtype=np.int64)
+        pending = st.pending_features
+        feats = None if pending is None else pending[0] if len(pending) == 1 else torch.cat(pending)
+        if feats is None or feats.shape[0] != tokens.size:
             raise RuntimeError("target features and committed tokens are out of step")
-        past = st.cache.length
-        positions = torch.arange(st.next_position, st.next_position + tokens.numel())
-        hidden = self.model.project_features(feats.to(self.device))
-        mask = causal_mask(tokens.numel(), past, self.dtype, self.device)
-        nxt, out = self._run(tokens, hidden, positions, mask)
-        self._stable_len = st.cache.length
-        self._root_position = int(positions[-1])
+        q, past = tokens.size, st.cache.length
+        positions = range(st.next_position, st.next_position + q)
+        if not (self._on_cpu and feats.is_cpu):
+            feats = feats.to(self.device)
+        hidden = self.model.project_features(feats)
+        nxt, out = self._run(tokens, hidden, positions, causal_mask(q, past, self.dtype, self.device))
+        self._stable_len = past + q
+        self._root_position = positions[-1]
         st.pending_tokens = []
         st.pending_features = None
         st.next_position = self._root_position + 1
-        tree.root_hidden = nxt[-1]
-        self._root_hidden = nxt[-1]
+        tree.root_hidden = self._root_hidden = nxt[-1]
         vals, ids = self._top_children(out[-1:])
-        self._root_top = (vals[0].cpu(), ids[0].cpu())
-        self._node_top_vals = torch.empty(0, self.top_k)
-        self._node_top_ids = torch.empty(0, self.top_k, dtype=torch.long)
-        self._node_hidden = torch.empty(0, nxt.shape[-1], dtype=nxt.dtype, device=nxt.device)
-        self._ancestors = torch.zeros(0, 0, dtype=torch.bool)
+        self._root_top = (vals[0], ids[0])
+        # Per tree node, on the host: its top-k children (log-prob, target id) and its
+        # ancestor-or-self row; the newest level's hidden states (the next level's parents).
+        self._node_top_vals = np.empty((0, self.top_k), dtype=vals.dtype)
+        self._node_top_ids = np.empty((0, self.top_k), dtype=np.int64)
+        self._ancestors: np.ndarray | None = None  # None while the tree is a chain
+        self._level_start, self._level_hidden = 0, None
         self._tree = tree
 
-    def _add_level(self, tree: DraftTree, draft_ids: torch.Tensor, logp: torch.Tensor, parents: torch.Tensor) -> None:
-        """Run the new nodes (tokens ``draft_ids`` under ``parents``) and append them to ``tree``."""
-        m, n0 = parents.numel(), len(tree)
+    def _add_level(self, tree: DraftTree, tokens: np.ndarray, logp: np.ndarray, parents: np.ndarray) -> None:
+        """Run the new nodes (target ids ``tokens`` under ``parents``) and append them to ``tree``.
+
+        A level's parents are all the root (the first level) or all nodes of the newest
+        level (:func:`~specfit_hf.generation.drafter.frontier_nodes`), so every new node has the same depth.
+        """
+        m, n0 = parents.size, len(tree)
         if self._state.cache.length != self._stable_len + n0:
             raise RuntimeError("draft cache and tree are out of step")
-        tokens = self.model.draft_to_target(draft_ids.to(self.device)).cpu()
-        # ancestor-or-self relation among tree nodes, grown by one block per level
-        anc, self._ancestors = grow_ancestors(self._ancestors, parents)
-        has_parent = parents >= 0
-
-        mask = torch.full((m, self._stable_len + n0 + m), torch.finfo(self.dtype).min, dtype=self.dtype)
-        mask[:, : self._stable_len] = 0
-        mask[:, self._stable_len :].masked_fill_(anc, 0)
-        parent_depth = torch.zeros(m, dtype=torch.long)
-        if n0:
-            parent_depth[has_parent] = tree.depths[parents[has_parent]]
-        positions = self._root_position + parent_depth + 1
-        parent_hidden = self._root_hidden.expand(m, -1).clone()
-        if has_parent.any():
-            rows = parents[has_parent].to(self._node_hidden.device)
-            parent_hidden[has_parent.to(parent_hidden.device)] = self._node_hidden[rows]
-        nxt, out = self._run(tokens, parent_hidden, positions, mask[None, None].to(self.device))
+        if self._ancestors is None and m == 1:
+            # The tree stays a chain (most drafting cycles): the new node sees every slot,
+            # so its mask is all zeros and no ancestor rows are needed.
+            mask = torch.zeros((1, 1, 1, self._stable_len + n0 + 1), dtype=self.dtype, device=self.device)
+        else:
+            # ancestor-or-self relation among tree nodes (a chain's is the lower triangle),
+            # grown by one block per level
+            anc = causal_pattern(n0) if self._ancestors is None else self._ancestors
+            rows, self._ancestors = grow_ancestor_rows(anc, parents)
+            mask = additive_mask(rows, self._stable_len, self.dtype, self.device)
+        # every node of the level sits at the same position: prefix + depth, the depth being
+        # one more than the newest level's (tree.num_levels)
+        position = self._root_position + 1 + tree.num_levels
+        positions = range(position, position + 1) if m == 1 else np.full(m, position)
+        if n0 == 0:  # children of the root
+            parent_hidden = self._root_hidden.expand(m, -1).contiguous()
+        elif m == 1:  # one parent: its row of the newest level's hidden states, no index tensor
+            row = int(parents[0]) - self._level_start
+            parent_hidden = self._level_hidden[row : row + 1]
+        else:
+            index = torch.from_numpy(parents - self._level_start)
+            parent_hidden = self._level_hidden.index_select(0, index.to(self.device))
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        nxt, out = self._run(tokens, parent_hidden, positions, mask)
         vals, ids = self._top_children(out)
-        self._node_top_vals = torch.cat([self._node_top_vals, vals.cpu()])
-        self._node_top_ids = torch.cat([self._node_top_ids, ids.cpu()])
-        self._node_hidden = torch.cat([self._node_hidden, nxt])
-        tree.add_level(tokens, parents, logp.exp(), hidden=nxt)
+        self._node_top_vals = np.concatenate([self._node_top_vals, vals])
+        self._node_top_ids = np.concatenate([self._node_top_ids, ids])
+        self._level_start, self._level_hidden = n0, nxt
+        # exp in torch (float32, as the log-probs) then float64 on the host: one op fewer than .to()
+        draft_probs = torch.from_numpy(np.ascontiguousarray(logp)).exp().numpy().astype(np.float64)
+        tree.add_level(torch.from_numpy(tokens), torch.from_numpy(parents), torch.from_numpy(draft_probs), hidden=nxt)
 
-    @torch.no_grad()
+    @without_grad
     def commit(self, tree: DraftTree, result: VerifyResult, target_features: torch.Tensor | None) -> None:
         if target_features is None:
             raise ValueError("the EAGLE-3 drafter needs the target features of the accepted path")
@@ -216,12 +252,13 @@ class Eagle3TreeDrafter(Drafter):
             raise ValueError(
                 f"expected target features for the root and {len(accepted)} accepted nodes, got {feats.shape[0]} rows"
             )
-        if list(result.new_tokens[:-1]) != [int(tree.tokens[i]) for i in accepted]:
+        tree_tokens = tree.tokens.tolist() if accepted else []
+        if list(result.new_tokens[:-1]) != [tree_tokens[i] for i in accepted]:
             raise ValueError("result.new_tokens does not start with the accepted nodes' tokens")
         st = self._state
         if tree is self._tree:
             # Drop every tree slot: keep the committed prefix (which ends with the root pair).
-            st.cache.keep(torch.arange(self._stable_len))
+            st.cache.crop_to(self._stable_len)
             st.pending_tokens = [int(t) for t in result.new_tokens[:-1]]
             st.pending_features = [feats]
         else:

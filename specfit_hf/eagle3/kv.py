@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from ..generation.cache import SpecFitCache
+from ..generation.tree_mask import causal_mask as block_causal_mask
 
 __all__ = ["DraftKVCache", "causal_mask"]
 
 
 def causal_mask(q_len: int, past_len: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
     """Additive float mask ``[1, 1, q_len, past_len + q_len]``: full past, causal among new rows."""
-    mask = torch.zeros(q_len, past_len + q_len, dtype=dtype, device=device)
-    new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).triu(1)
-    mask[:, past_len:].masked_fill_(new, torch.finfo(dtype).min)
-    return mask[None, None]
+    return block_causal_mask(q_len, past_len, dtype, device)
 
 
 class DraftKVCache(SpecFitCache):
@@ -28,7 +27,14 @@ class DraftKVCache(SpecFitCache):
     @property
     def length(self) -> int:
         """Number of cached slots."""
-        return self.get_seq_length(0) if self.layers else 0
+        # read off the one plain layer (get_seq_length's generality costs microseconds, and
+        # the tree drafter asks at every level)
+        if not self.layers:
+            return 0
+        layer = self.layers[0]
+        if type(layer) is not DynamicLayer:
+            return self.get_seq_length(0)
+        return layer.keys.shape[-2] if layer.is_initialized and layer.keys.numel() else 0
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``[B, nkv, T, D]`` rows; returns the whole store."""

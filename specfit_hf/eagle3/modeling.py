@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +49,10 @@ __all__ = [
 #: rows; returns ``[B, nh, T, D]``.  Lets inference (KV store + tree mask) and training
 #: (training-time-test unrolling) share the layer code.
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -364,6 +369,16 @@ class Eagle3DraftModel(PreTrainedModel):
         """Map draft-vocabulary ids to target ids (``id + d2t[id]``)."""
         return draft_ids + self.d2t[draft_ids]
 
+    def draft_to_target_host_fn(self) -> Callable[[np.ndarray], np.ndarray]:
+        """:meth:`draft_to_target` for host (numpy) ids, as a function over ``d2t`` read to the
+        host now.
+
+        The tree drafter takes it once per ``generate`` call and maps its top-k ids after
+        they reach the host: two small device ops per draft level saved.
+        """
+        d2t = self.d2t.cpu().numpy()
+        return lambda draft_ids: draft_ids + d2t[draft_ids]
+
     def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Map target ids to draft ids; ``-1`` for target tokens outside the draft vocabulary."""
         table = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
@@ -379,32 +394,95 @@ class Eagle3DraftModel(PreTrainedModel):
             raise ValueError(
                 f"target features must have 3 x target_hidden_size = {3 * ht} channels, got {target_features.shape[-1]}"
             )
-        x = target_features.to(self.fc.weight.dtype)
+        fc = self.fc
+        dtype = fc.weight.dtype
+        x = target_features if target_features.dtype == dtype else target_features.to(dtype)
         if self.fc_norm is not None:
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.split(ht, dim=-1))], dim=-1)
-        return self.fc(x)
+        return fc(x)
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        if self.embed_tokens.weight.numel() == 0:
+        weight = self.embed_tokens.weight
+        if weight.numel() == 0:
             raise RuntimeError(
                 "this draft has no embed_tokens in its checkpoint; call attach_target_embeddings(target) first"
             )
-        return self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        # The lookup of embed_tokens (a plain nn.Embedding: no padding index, no max norm)
+        # without the module call and F.embedding's checks, and no .to() when the dtypes
+        # agree: this runs in every draft forward, where each call costs microseconds.
+        out = torch.embedding(weight, input_ids)
+        dtype = self.fc.weight.dtype
+        return out if out.dtype == dtype else out.to(dtype)
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         return self.rotary_emb(hidden, position_ids)
 
+    def rotary_rows(self, positions: range | np.ndarray, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rotary` of host-known 1-D ``positions`` (a ``range`` or an int array), for inference.
+
+        The rows come from a cached table of the rotary embedding's own output for positions
+        ``0 .. n - 1`` (its ops are elementwise, so computing many positions at once gives
+        the same values): a slice replaces the embedding's ten small ops in every draft
+        forward.  Frequencies that change with the sequence length (dynamic / longrope
+        scaling) are computed each time instead.
+        """
+        if isinstance(positions, range):
+            if positions.step != 1:
+                raise ValueError("rotary_rows takes ranges of step 1")
+            start, stop, index = positions.start, positions.stop, None
+        else:
+            index = np.asarray(positions, dtype=np.int64).reshape(-1)
+            start, stop = (int(index.min()), int(index.max()) + 1) if index.size else (0, 1)
+        table = self._rotary_table(stop, like)
+        if table is None:
+            return self.rotary(like, torch.as_tensor(np.asarray(positions), device=like.device))
+        cos, sin = table
+        if index is None:
+            return cos[:, start:stop], sin[:, start:stop]
+        if stop - start == 1:  # one position (a tree level: every node at the same depth)
+            return cos[:, start:stop].expand(1, index.size, -1), sin[:, start:stop].expand(1, index.size, -1)
+        index = torch.from_numpy(index).to(cos.device)
+        return cos.index_select(1, index), sin.index_select(1, index)
+
+    def _rotary_table(self, size: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``[1, n, D]`` cos / sin of positions ``0 .. n - 1`` (``n >= size``) on ``like``'s device and
+        dtype; ``None`` when the frequencies change with the sequence length."""
+        rope = self.rotary_emb
+        inv_freq = rope.inv_freq
+        table = self.__dict__.get("_rope_table")  # a cache, not module state (not saved, not moved)
+        if (
+            table is not None
+            and table[0] is inv_freq
+            and table[1] == inv_freq._version
+            and table[2] >= size
+            and table[3] == like.dtype
+            and table[4] == like.device
+        ):
+            return table[5]
+        rope_type = str(rope.rope_type)
+        if "dynamic" in rope_type or rope_type == "longrope":
+            return None
+        n = 1 << max(8, (size - 1).bit_length())  # grows by doubling
+        cos_sin = rope(like, torch.arange(n, device=like.device)[None])
+        self.__dict__["_rope_table"] = (inv_freq, inv_freq._version, n, like.dtype, like.device, cos_sin)
+        return cos_sin
+
     def step(
         self,
         input_ids: torch.LongTensor,
         hidden: torch.Tensor,
-        position_ids: torch.LongTensor,
+        position_ids: torch.LongTensor | None,
         attend: AttendFn,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run the draft layer on pairs ``(hidden, token)``; returns the pre-norm output ``[B, T, H]``."""
-        cos, sin = self.rotary(hidden, position_ids)
+        """Run the draft layer on pairs ``(hidden, token)``; returns the pre-norm output ``[B, T, H]``.
+
+        ``rotary``: the positions' ``(cos, sin)`` when the caller has them (:meth:`rotary_rows`);
+        ``position_ids`` is then unused.
+        """
+        cos, sin = self.rotary(hidden, position_ids) if rotary is None else rotary
         return self.midlayer(self.embed(input_ids), hidden, cos, sin, attend)
 
     def compute_logits(self, layer_output: torch.Tensor) -> torch.Tensor:
@@ -413,7 +491,12 @@ class Eagle3DraftModel(PreTrainedModel):
 
     def next_hidden(self, layer_output: torch.Tensor) -> torch.Tensor:
         """The hidden state the next draft step consumes."""
-        return self.norm(layer_output) if self.config.hidden_feedback == "post_norm" else layer_output
+        return self.next_hidden_fn()(layer_output)
+
+    def next_hidden_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`next_hidden` for the current config, as a function (the tree drafter takes it
+        once per ``generate`` call: reading the config costs microseconds every draft level)."""
+        return self.norm if self.config.hidden_feedback == "post_norm" else _unchanged
 
     def forward(
         self,

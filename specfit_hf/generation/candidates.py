@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..clock import clock
 from ..selection import SelectionPolicy
-from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult
+from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult, _flat_cpu
 from .causal_lm_drafter import CausalLMTreeDrafter
 from .drafter import Drafter
-from .tree_mask import tree_attention_mask
+from .tree_mask import additive_mask, ancestors, causal_mask, is_chain, tree_attention_mask
 
 __all__ = ["TreeCandidates", "TreeCandidateGenerator", "layout_candidates", "make_drafter"]
 
@@ -88,23 +89,39 @@ def _select_block(tree: DraftTree, nodes: torch.Tensor) -> tuple[torch.Tensor, .
     """Block arrays (tokens, parents, depths, path probs) for ``[root] + nodes``."""
     if nodes.numel() == 0:  # a plain step: most cycles where drafting does not pay
         return torch.tensor([tree.root_token]), _ROOT_PARENTS, _ROOT_DEPTHS, _ROOT_PATH_PROBS
-    nodes = nodes.reshape(-1).to(torch.long).sort().values
-    n = nodes.numel()
-    block_of_node = torch.full((len(tree) + 1,), -1, dtype=torch.long)
-    block_of_node[nodes] = torch.arange(1, n + 1)
-    tree_parents = tree.parents[nodes]
-    # Parent -1 (the root) maps to block index 0.
-    parents = torch.where(tree_parents >= 0, block_of_node[tree_parents.clamp(min=0)], 0)
-    if bool((parents < 0).any()):
-        orphans = nodes[parents < 0].tolist()
-        raise ValueError(
-            f"the selection is not ancestor-closed: nodes {orphans[:8]} are selected without their parents "
-            f"{tree.parents[orphans[:8]].tolist()}"
-        )
-    tokens = torch.cat([torch.tensor([tree.root_token]), tree.tokens[nodes]])
-    block_parents = torch.cat([torch.tensor([-1]), parents])
-    depths = torch.cat([torch.tensor([0]), tree.depths[nodes]])
-    path_probs = torch.cat([torch.ones(1, dtype=torch.float64), tree.path_probs[nodes].to(torch.float64)])
+    return tuple(torch.from_numpy(a) for a in _block_arrays(tree, nodes))
+
+
+def _block_arrays(tree: DraftTree, nodes: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """:func:`_select_block` of a non-empty selection, as numpy arrays.
+
+    Index bookkeeping in numpy: a microsecond an op, where a torch op on these few rows
+    costs 5-20 (this runs every drafting cycle).
+    """
+    nodes = np.sort(_flat_cpu(nodes, torch.long).numpy())
+    n = nodes.size
+    if nodes.tolist() == list(range(n)):
+        # The first n nodes (a chain, or any prefix of creation order): node i is block
+        # index i + 1, and parents precede children, so the selection is ancestor-closed.
+        pick = slice(0, n)
+        parents = tree.parents.numpy()[pick] + 1
+    else:
+        pick = nodes
+        tree_parents = tree.parents.numpy()[nodes]
+        block_of_node = np.full(len(tree) + 1, -1, dtype=np.int64)
+        block_of_node[nodes] = np.arange(1, n + 1)
+        # Parent -1 (the root) maps to block index 0.
+        parents = np.where(tree_parents >= 0, block_of_node[np.maximum(tree_parents, 0)], 0)
+        if (parents < 0).any():
+            orphans = nodes[parents < 0][:8]
+            raise ValueError(
+                f"the selection is not ancestor-closed: nodes {orphans.tolist()} are selected without their parents "
+                f"{tree.parents.numpy()[orphans].tolist()}"
+            )
+    tokens = np.concatenate(([tree.root_token], tree.tokens.numpy()[pick])).astype(np.int64, copy=False)
+    block_parents = np.concatenate(([-1], parents)).astype(np.int64, copy=False)
+    depths = np.concatenate(([0], tree.depths.numpy()[pick])).astype(np.int64, copy=False)
+    path_probs = np.concatenate(([1.0], tree.path_probs.numpy()[pick])).astype(np.float64, copy=False)
     return tokens, block_parents, depths, path_probs
 
 
@@ -123,22 +140,31 @@ def layout_candidates(
     prefix, as a plain decode step does, so the target's own causal mask serves and a
     plain step costs no more host time than in stock ``generate``.
     """
-    tokens, block_parents, depths, path_probs = _select_block(tree, selection.nodes)
-    mask = None
-    if len(selection) or prefix_hidden is not None:
-        mask = tree_attention_mask(
-            block_parents, prefix_len, dtype=mask_dtype, device=device, max_depth=int(depths.max()),
-            prefix_hidden=prefix_hidden,
-        )
-    if mask is None:  # a root-only block
-        position_ids = torch.tensor([[root_position]], device=device)
+    device = torch.device(device)
+    if len(selection):
+        tokens, parents, depths, path_probs = _block_arrays(tree, selection.nodes)
+        if prefix_hidden is None and is_chain(parents):  # the commonest block
+            mask = causal_mask(parents.size, prefix_len, mask_dtype, device)
+        else:
+            mask = additive_mask(ancestors(parents), prefix_len, mask_dtype, device, prefix_hidden)
+        input_ids = torch.from_numpy(tokens[None])
+        position_ids = torch.from_numpy((root_position + depths)[None])
+        if device.type != "cpu":  # (a .to() that changes nothing still costs a dispatch)
+            input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        parents, depths, path_probs = torch.from_numpy(parents), torch.from_numpy(depths), torch.from_numpy(path_probs)
     else:
-        position_ids = (root_position + depths).to(device)[None]
+        tokens, parents, depths, path_probs = _select_block(tree, selection.nodes)
+        mask = None
+        if prefix_hidden is not None:
+            mask = tree_attention_mask(parents, prefix_len, mask_dtype, device, max_depth=0,
+                                       prefix_hidden=prefix_hidden)
+        input_ids = tokens.to(device)[None]
+        position_ids = torch.tensor([[root_position]], device=device)
     return TreeCandidates(
         tree=tree,
         selection=selection,
-        input_ids=tokens.to(device)[None],
-        block_parents=block_parents,
+        input_ids=input_ids,
+        block_parents=parents,
         depths=depths,
         path_probs=path_probs,
         position_ids=position_ids,

@@ -32,13 +32,19 @@ the target produced last (at prefill, or the previous cycle's bonus token).
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from typing import Callable, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
 from ..tree import DraftTree, VerifyResult
 
-__all__ = ["Drafter", "frontier_nodes"]
+__all__ = ["Drafter", "frontier_nodes", "newest_to_expand", "without_grad"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Drafter(ABC):
@@ -71,12 +77,55 @@ class Drafter(ABC):
         """
 
 
+def without_grad(fn: Callable[P, R]) -> Callable[P, R]:
+    """``@torch.no_grad()`` that enters no context when gradients are already off.
+
+    The generation loop runs under ``no_grad``; entering the decorator's context again costs
+    a few Python frames in every draft level, verification and commit.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def frontier_nodes(tree: DraftTree, expand: torch.Tensor | None, width: int) -> torch.Tensor:
     """The newest level's nodes to expand: ``expand`` (checked), else the ``width`` most likely."""
-    newest = tree.level(tree.num_levels)
+    nodes = torch.from_numpy(newest_to_expand(tree, expand, width))
+    return nodes.to(expand.device) if isinstance(expand, torch.Tensor) and not expand.is_cpu else nodes
+
+
+def newest_to_expand(
+    tree: DraftTree, expand: torch.Tensor | None, width: int, newest: range | None = None
+) -> np.ndarray:
+    """:func:`frontier_nodes` as a host (numpy) array of node indices.
+
+    ``newest``: the newest level's nodes when the caller knows them (a drafter that grew the
+    tree itself), which spares scanning the depths.  Host bookkeeping in numpy / Python: this
+    runs before every draft level, and each torch op on these few rows costs 5-20 us of dispatch.
+    """
     if expand is None:
-        return newest[tree.path_probs[newest].topk(min(width, newest.numel())).indices]
-    expand = torch.as_tensor(expand, dtype=torch.long).reshape(-1)
-    if not bool(torch.isin(expand, newest).all()):
-        raise ValueError(f"can only expand nodes of the newest level {tree.num_levels}; got {expand.tolist()}")
-    return expand
+        if newest is None:
+            nodes = np.flatnonzero(tree.depths.numpy() == tree.num_levels)
+        else:
+            nodes = np.arange(newest.start, newest.stop)
+        if nodes.size == 1 and width >= 1:  # a chain: nothing to rank
+            return nodes
+        ranked = torch.from_numpy(nodes)
+        return ranked[tree.path_probs[ranked].topk(min(width, ranked.numel())).indices].numpy()
+    if not isinstance(expand, torch.Tensor) or expand.dtype != torch.long or expand.dim() != 1:
+        expand = torch.as_tensor(expand, dtype=torch.long).reshape(-1)
+    listed = expand.tolist()
+    if newest is not None:
+        ok = all(v in newest for v in listed)
+    else:
+        depths = tree.depths.numpy()
+        ok = all(0 <= v < depths.size and depths[v] == tree.num_levels for v in listed)
+    if not ok:
+        raise ValueError(f"can only expand nodes of the newest level {tree.num_levels}; got {listed}")
+    return np.array(listed, dtype=np.int64)

@@ -12,56 +12,93 @@ attention a boolean 4D mask would silently give wrong logits.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-__all__ = ["ancestor_matrix", "grow_ancestors", "tree_attention_mask", "visibility_to_mask", "block_depths",
+__all__ = ["ancestor_matrix", "ancestors", "is_chain", "causal_pattern", "causal_mask", "grow_ancestors",
+           "grow_ancestor_rows", "tree_attention_mask", "visibility_to_mask", "additive_mask", "block_depths",
            "model_tree_masks", "has_sliding_layers"]
+
+
+def ancestors(parents: np.ndarray, max_depth: int | None = None) -> np.ndarray:
+    """:func:`ancestor_matrix` on the host: ``[n]`` int parents (numpy) -> ``[n, n]`` bool (numpy).
+
+    The block and draft-tree bookkeeping runs here: a numpy op costs about a microsecond,
+    a torch op on small tensors five to twenty.
+    """
+    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+    n = parents.size
+    if (max_depth is None or max_depth >= n - 1) and is_chain(parents):
+        # A chain, the commonest block: every earlier token.
+        return causal_pattern(n).copy()
+    anc = np.eye(n, dtype=bool)
+    rows = np.arange(n)
+    cur = parents
+    for _ in range(n if max_depth is None else max_depth):
+        valid = cur >= 0
+        if not valid.any():
+            break
+        anc[rows[valid], cur[valid]] = True
+        cur = np.where(valid, parents[np.maximum(cur, 0)], cur)
+    return anc
+
+
+def is_chain(parents: np.ndarray) -> bool:
+    """Whether the block is a chain: token ``i``'s parent is ``i - 1`` (the first hangs off the prefix)."""
+    return parents.tolist() == list(range(-1, parents.size - 1))
+
+
+@functools.lru_cache(maxsize=64)
+def causal_pattern(n: int) -> np.ndarray:
+    """``[n, n]`` bool lower triangle (a chain's ancestor-or-self relation; causal visibility), read-only.
+
+    Cached: ``np.tri`` alone costs several microseconds, and chains of a few tokens are
+    laid out every cycle.
+    """
+    tri = np.tri(n, dtype=bool)
+    tri.flags.writeable = False
+    return tri
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """``[n, n]`` bool: ``out[i, j]`` is True when ``j`` is ``i`` or one of its ancestors.
 
     Parents must precede children (``parents[i] < i``).  Runs one vectorised step per
-    tree level; ``max_depth`` (the deepest chain length) saves the loop's end test.
+    tree level (on the host, see :func:`ancestors`); ``max_depth`` (the deepest chain
+    length) bounds the number of steps.  The result lives on ``parents.device``.
     """
-    parents = parents.reshape(-1).to(torch.long)
-    n = parents.numel()
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
-    if n == 0:
-        return anc
-    rows = torch.arange(n, device=parents.device)
-    cur = parents.clone()
-    steps = n if max_depth is None else max_depth
-    for _ in range(steps):
-        valid = cur >= 0
-        if max_depth is None and not bool(valid.any()):
-            break
-        anc[rows[valid], cur[valid]] = True
-        cur = torch.where(valid, parents[cur.clamp(min=0)], cur)
-    return anc
+    anc = ancestors(parents.reshape(-1).to(torch.long).cpu().numpy(), max_depth)
+    return torch.from_numpy(anc).to(parents.device)
+
+
+def grow_ancestor_rows(anc: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`grow_ancestors` on numpy arrays (what the tree drafters keep between levels)."""
+    n, m = anc.shape[0], parents.size
+    rows = np.zeros((m, n + m), dtype=bool)
+    has_parent = parents >= 0
+    if n and has_parent.any():
+        rows[has_parent, :n] = anc[parents[has_parent]]
+    rows[:, n:] = np.eye(m, dtype=bool)
+    grown = np.zeros((n + m, n + m), dtype=bool)
+    grown[:n, :n] = anc
+    grown[n:] = rows
+    return rows, grown
 
 
 def grow_ancestors(anc: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Append a block of ``m`` nodes to an ancestor-or-self matrix ``anc`` ``[n, n]``.
 
     ``parents[i]`` is the row of new node ``i``'s parent in ``anc`` (``-1``: none in it).
-    Returns the new block's rows ``[m, n + m]`` and the grown matrix ``[n + m, n + m]``.
-    Drafters keep this relation level by level instead of recomputing it.
+    Returns the new block's rows ``[m, n + m]`` and the grown matrix ``[n + m, n + m]``
+    (CPU tensors).  Drafters keep this relation level by level instead of recomputing it.
     """
-    n, m = anc.shape[0], parents.numel()
-    rows = torch.zeros(m, n + m, dtype=torch.bool)
-    has_parent = parents >= 0
-    if n and bool(has_parent.any()):
-        rows[has_parent, :n] = anc[parents[has_parent]]
-    rows[torch.arange(m), n + torch.arange(m)] = True
-    grown = torch.zeros(n + m, n + m, dtype=torch.bool)
-    grown[:n, :n] = anc
-    grown[n:] = rows
-    return rows, grown
+    rows, grown = grow_ancestor_rows(anc.cpu().numpy(), parents.reshape(-1).to(torch.long).cpu().numpy())
+    return torch.from_numpy(rows), torch.from_numpy(grown)
 
 
 def block_depths(parents: torch.Tensor) -> torch.Tensor:
@@ -88,11 +125,11 @@ def tree_attention_mask(
         prefix_hidden: optional indices of prefix positions nobody may attend to
             (padding tokens of the prompt, as a 2D ``attention_mask`` with zeros marks them).
     """
-    device = parents.device if device is None else torch.device(device)
-    # The ancestor walk is a few tiny ops per level: run it where the parents live (the
-    # CPU, normally) and ship one bool matrix, instead of syncing a GPU every level.
-    anc = ancestor_matrix(parents, max_depth=max_depth).to(device)
-    return visibility_to_mask(anc, prefix_len, dtype=dtype, prefix_hidden=prefix_hidden)
+    device = parents.device if device is None else device
+    # The ancestor walk is a few tiny ops per level: run it on the host (where the parents
+    # normally live) and ship one matrix, instead of syncing a GPU every level.
+    anc = ancestors(parents.reshape(-1).to(torch.long).cpu().numpy(), max_depth)
+    return additive_mask(anc, prefix_len, dtype, device, prefix_hidden)
 
 
 def visibility_to_mask(
@@ -103,13 +140,71 @@ def visibility_to_mask(
 ) -> torch.Tensor:
     """``[q, k]`` bool visibility of the non-prefix keys -> additive ``[1, 1, q, prefix_len + k]`` mask.
 
-    Callers that maintain ancestor rows incrementally (the tree drafter) use this directly.
+    The mask lives on ``visible.device``.  Callers that maintain ancestor rows
+    incrementally (the tree drafters) use this or :func:`additive_mask` directly.
+    """
+    return additive_mask(visible.cpu().numpy(), prefix_len, dtype, visible.device, prefix_hidden)
+
+
+def causal_mask(q_len: int, prefix_len: int, dtype: torch.dtype, device: torch.device | str | None = None):
+    """Additive ``[1, 1, q_len, prefix_len + q_len]`` mask: full prefix, causal among the new rows.
+
+    ``additive_mask(causal_pattern(q_len), ...)`` (a chain block, or committed pairs run
+    together) in fewer calls: a single row sees everything (zeros), and a CPU mask is zeros
+    plus a cached causal block.
+    """
+    if q_len == 1:
+        return torch.zeros((1, 1, 1, prefix_len + 1), dtype=dtype, device=device)
+    np_dtype = _NUMPY_FLOATS.get(dtype)
+    if np_dtype is None or (device is not None and torch.device(device).type != "cpu"):
+        return additive_mask(causal_pattern(q_len), prefix_len, dtype, device)
+    mask = np.zeros((1, 1, q_len, prefix_len + q_len), dtype=np_dtype)
+    mask[0, 0, :, prefix_len:] = _causal_block(q_len, np_dtype, torch.finfo(dtype).min)
+    return torch.from_numpy(mask)
+
+
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_block(q_len: int, np_dtype: type, low: float) -> np.ndarray:
+    """``[q, q]`` additive causal block (0 on and below the diagonal, ``low`` above), read-only."""
+    block = np.where(causal_pattern(q_len), 0.0, low).astype(np_dtype)
+    block.flags.writeable = False
+    return block
+
+
+def additive_mask(
+    visible: np.ndarray,
+    prefix_len: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+    prefix_hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`visibility_to_mask` of a host (numpy) ``[q, k]`` bool visibility, built on ``device``.
+
+    The whole mask is built in numpy for a CPU model (one tensor at the end instead of a
+    fill and a masked fill); for another device only the ``[q, k]`` block travels and the
+    prefix columns are zeroed there (the prefix can be long).
     """
     q, k = visible.shape
-    mask = torch.zeros((1, 1, q, prefix_len + k), dtype=dtype, device=visible.device)
-    mask[0, 0, :, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
-    if prefix_hidden is not None and prefix_hidden.numel():
-        mask[0, 0, :, prefix_hidden.to(visible.device)] = torch.finfo(dtype).min
+    low = torch.finfo(dtype).min
+    # float16 / bfloat16 have no numpy dtype; their finfo.min is exact in float32
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+    device = torch.device("cpu" if device is None else device)
+    hidden_cols = None if prefix_hidden is None or not prefix_hidden.numel() else prefix_hidden.reshape(-1)
+    if device.type == "cpu":
+        mask = np.zeros((1, 1, q, prefix_len + k), dtype=np_dtype)
+        mask[0, 0, :, prefix_len:][~visible] = low
+        if hidden_cols is not None:
+            mask[0, 0, :, hidden_cols.cpu().numpy()] = low
+        out = torch.from_numpy(mask)
+        return out if out.dtype == dtype else out.to(dtype)
+    block = torch.from_numpy(np.where(visible, 0.0, low).astype(np_dtype)).to(device=device, dtype=dtype)
+    mask = torch.zeros((1, 1, q, prefix_len + k), dtype=dtype, device=device)
+    mask[0, 0, :, prefix_len:] = block
+    if hidden_cols is not None:
+        mask[0, 0, :, hidden_cols.to(device)] = low
     return mask
 
 

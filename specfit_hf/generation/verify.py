@@ -28,12 +28,13 @@ from transformers import LogitsProcessorList
 
 from ..tree import VerifyResult
 from .candidates import TreeCandidates
+from .drafter import without_grad
 from .tree_mask import has_sliding_layers, model_tree_masks, tree_attention_mask
 
 __all__ = ["verify_forward", "accept", "AcceptOutput"]
 
 
-@torch.no_grad()
+@without_grad
 def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
     """One target forward over the block; returns ``[1 + n, V]`` float32 logits.
 
@@ -46,17 +47,19 @@ def verify_forward(target, cache, candidates: TreeCandidates) -> torch.Tensor:
             f"target cache holds {cache.get_seq_length()} tokens, the tree expects {candidates.prefix_len}"
         )
     mask = candidates.attention_mask
-    if mask is None and has_sliding_layers(target.config):
-        # a plain step still gets the window explicitly (cut to what the sliding layers hold)
-        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        mask = tree_attention_mask(candidates.block_parents, candidates.prefix_len, dtype=dtype,
-                                   device=candidates.input_ids.device)
+    # Only sliding-window layers need more than the tree mask (model_tree_masks returns it
+    # unchanged otherwise: skipping the call saves its positions and the cache's offset).
+    if has_sliding_layers(target.config):
+        if mask is None:
+            # a plain step still gets the window explicitly (cut to what the sliding layers hold)
+            dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+            mask = tree_attention_mask(candidates.block_parents, candidates.prefix_len, dtype=dtype,
+                                       device=candidates.input_ids.device)
+        mask = model_tree_masks(target.config, mask, candidates.prefix_len + candidates.depths,
+                                sliding_offset=getattr(cache, "sliding_offset", 0))
     out = target(
         input_ids=candidates.input_ids,
-        attention_mask=None if mask is None else model_tree_masks(
-            target.config, mask, candidates.prefix_len + candidates.depths,
-            sliding_offset=getattr(cache, "sliding_offset", 0),
-        ),
+        attention_mask=mask,
         position_ids=candidates.position_ids,
         past_key_values=cache,
         use_cache=True,
@@ -74,6 +77,14 @@ class AcceptOutput:
     raw_logits: list[torch.Tensor] = field(default_factory=list)  # unprocessed, same rows
 
 
+def _row_argmax(logits: torch.Tensor) -> list[int]:
+    """``logits.argmax(dim=-1).tolist()``: numpy's SIMD argmax on the host (same first-maximum /
+    NaN rule, several times faster than torch's over a vocabulary on the CPU)."""
+    if logits.is_cpu and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _children_lists(block_parents: list[int]) -> list[list[int]]:
     children: list[list[int]] = [[] for _ in block_parents]
     for i, p in enumerate(block_parents):
@@ -82,7 +93,7 @@ def _children_lists(block_parents: list[int]) -> list[list[int]]:
     return children
 
 
-@torch.no_grad()
+@without_grad
 def accept(
     logits: torch.Tensor,
     candidates: TreeCandidates,
@@ -106,10 +117,10 @@ def accept(
     """
     if not do_sample and not keep_scores and candidates.num_nodes == 0 and not (logits_processor or []):
         # a plain greedy step: the bonus is the root row's argmax (most cycles where drafting does not pay)
-        bonus = int(logits[0].argmax())
+        bonus = _row_argmax(logits[:1])[0]
         return AcceptOutput(result=VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[bonus],
                                                 bonus_token=bonus))
-    tokens = candidates.input_ids[0].tolist()
+    tokens = candidates.input_ids.tolist()[0]
     block_parents = candidates.block_parents.tolist()
     children = _children_lists(block_parents)
     has_processors = logits_processor is not None and len(logits_processor) > 0
@@ -117,23 +128,27 @@ def accept(
     # Greedy without processors: one argmax over all rows, one host transfer.
     row_argmax = None
     if not do_sample and not has_processors:
-        row_argmax = logits.argmax(dim=-1).tolist()
+        row_argmax = _row_argmax(logits)
+
+    # Greedy without processors or kept scores reads nothing but row_argmax.
+    need_rows = row_argmax is None or keep_scores
 
     out = AcceptOutput(result=VerifyResult(accepted=[], accepted_positions=[0], new_tokens=[], bonus_token=-1))
     path_tokens: list[int] = []
     node = 0
     while True:
-        raw = logits[node : node + 1]
-        if has_processors:
-            path_ids = sequence
-            if path_tokens:
-                path_ids = torch.cat([sequence, torch.tensor([path_tokens], device=sequence.device)], dim=1)
-            scores = logits_processor(path_ids, raw.clone())
-        else:
-            scores = raw
-        if keep_scores:
-            out.scores.append(scores.clone())
-            out.raw_logits.append(raw.clone())
+        if need_rows:
+            raw = logits[node : node + 1]
+            if has_processors:
+                path_ids = sequence
+                if path_tokens:
+                    path_ids = torch.cat([sequence, torch.tensor([path_tokens], device=sequence.device)], dim=1)
+                scores = logits_processor(path_ids, raw.clone())
+            else:
+                scores = raw
+            if keep_scores:
+                out.scores.append(scores.clone())
+                out.raw_logits.append(raw.clone())
         kids = children[node]
         if not do_sample:
             target_token = row_argmax[node] if row_argmax is not None else int(scores.argmax(dim=-1))
@@ -151,7 +166,8 @@ def accept(
         out.result.accepted_positions.append(node)
 
     # Block position i >= 1 is the (i-1)-th selected node in sorted tree order.
-    selected = candidates.selection.nodes.reshape(-1).sort().values.tolist()
+    nodes = candidates.selection.nodes
+    selected = sorted((nodes if nodes.dim() == 1 else nodes.reshape(-1)).tolist())
     out.result.accepted = [selected[p - 1] for p in out.result.accepted_positions[1:]]
     out.result.new_tokens = path_tokens + [int(bonus)]
     out.result.bonus_token = int(bonus)
