@@ -238,7 +238,7 @@ class Eagle3TreeDrafter(Drafter):
         self._node_top_vals = np.concatenate([self._node_top_vals, vals])
         self._node_top_ids = np.concatenate([self._node_top_ids, ids])
         self._level_start, self._level_hidden = n0, nxt
-        # exp in torch (float32, as the log-probs) then float64 on the host: one op fewer than .to()
+        # exp in torch, as before (numpy's float32 exp may differ in the last bit), then float64 as the tree keeps
         draft_probs = torch.from_numpy(np.ascontiguousarray(logp)).exp().numpy().astype(np.float64)
         tree.add_level(torch.from_numpy(tokens), torch.from_numpy(parents), torch.from_numpy(draft_probs), hidden=nxt)
 

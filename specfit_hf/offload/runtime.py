@@ -393,6 +393,7 @@ class OffloadRuntime:
         tick = self._tick
         cache = layer.cache
         on_cpu = top_k_index.device.type == "cpu"
+        single = top_k_index.shape[0] == 1  # then every miss is the first row's (no need to know its experts)
         if on_cpu:
             # numpy on a few dozen ids is several times cheaper than torch.unique
             ids = top_k_index.numpy()
@@ -401,12 +402,13 @@ class OffloadRuntime:
             inverse = None
         else:
             uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
-            # the one host sync per layer (residency is decided on the host), with the first row's experts
-            both = torch.cat([uniq, inverse.reshape(top_k_index.shape[0], -1)[0].to(uniq.dtype)]).cpu().numpy()
-            needed = both[: uniq.numel()]
-            first = needed[both[uniq.numel():]]
+            if single:
+                needed = first = uniq.cpu().numpy()  # the one host sync per layer: residency is decided on the host
+            else:  # the same sync brings the first row's experts
+                both = torch.cat([uniq, inverse.reshape(top_k_index.shape[0], -1)[0].to(uniq.dtype)]).cpu().numpy()
+                needed = both[: uniq.numel()]
+                first = needed[both[uniq.numel():]]
         num_needed = len(needed)
-        single = top_k_index.shape[0] == 1
         layer.stats.forwards += 1
         self._stats.total.forwards += 1
 

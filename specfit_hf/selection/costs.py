@@ -122,13 +122,13 @@ class CycleCostTracker:
 
         ``predicted_added``: the misses the forecast predicted the verified nodes add to the
         root's; ``root_loads``: the loads the root alone needed (a plain cycle: all of them; ``None``
-        for a drafting cycle whose routing was not read).
+        when unknown: a drafting cycle's loads then teach nothing about loads).
         """
         self._models.clear()
         seconds, draft_s, select_s = record.cycle_seconds, record.draft_seconds, record.select_seconds
         loads = record.experts_loaded
         if loads is not None and (root_loads is not None or not record.nodes_verified):
-            # a drafting cycle whose routing was not read teaches nothing about loads
+            # a drafting cycle whose root's share is unknown teaches nothing about loads
             root = loads if not record.nodes_verified else min(root_loads, loads)
             total, cycles = self._root_sums
             self._root_sums = (_LOAD_DECAY * total + root, _LOAD_DECAY * cycles + 1.0)

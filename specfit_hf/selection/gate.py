@@ -421,8 +421,8 @@ class DraftingGate:
         """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
-        alone needed (plain cycles: all; ``None`` for a drafting cycle whose routing was not
-        read: its loads then teach neither the root mean nor the node fit);
+        alone needed (plain cycles: all; ``None`` when unknown: a drafting cycle's
+        loads then teach neither the root mean nor the node fit);
         ``t_expert``: seconds per load (the cost model's);
         ``nodes``: draft nodes verified; ``accepted``: of those, the ones accepted (a chain
         cycle's acceptance feeds :meth:`depth_acceptance`).  Without ``loads`` the cycle
