@@ -781,3 +781,24 @@ def test_chains_not_run_yet_are_priced_from_the_plain_step_and_the_chains_that_r
     assert figures["chain:1"] == pytest.approx((tokens[1], 0.014))  # 4 ms a level
     assert figures["chain:3"] == pytest.approx((tokens[3], 0.022))
     assert "tree" not in figures
+
+
+def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels():
+    from specfit_hf.selection.gate import PROBE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=8)
+    gate = DraftingGate(state, True, ["plain", "chain:1", "tree"], 8, 64)
+    state.draft.add(1, 1, 0.001, 1.0)  # a draft level: 1 ms
+    gate.observe("plain", 1, 0.010)
+    extra = state.draft.predict(PROBE_DEPTH, PROBE_DEPTH)
+    assert gate.cycle_figures()[PROBE][1] == pytest.approx(0.010 + extra)  # not run yet: the plain step + levels
+    # after a run of plain steps a probe's first level also reads what they committed: it costs more
+    gate.observe(PROBE, 1, 0.010 + extra + 0.004)
+    assert gate.cycle_figures()[PROBE][1] == pytest.approx(0.010 + extra + 0.004)
+    assert gate.cycle_figures()[PROBE][0] == pytest.approx(gate.cycle_figures()["plain"][0])
+    # a probe that cost less than its levels predict is still priced at the levels
+    cheap = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:1", "tree"], 8, 64)
+    cheap.state.draft.add(1, 1, 0.001, 1.0)
+    cheap.observe("plain", 1, 0.010)
+    cheap.observe(PROBE, 1, 0.010)
+    assert cheap.cycle_figures()[PROBE][1] == pytest.approx(0.010 + extra)

@@ -217,15 +217,18 @@ def tree_speculative_decoding(
             scores.append(first_scores)
             raw_logits.append(first_logits)
         sequence = torch.cat([sequence, first[None].to(sequence.device)], dim=1)
-        if streamer is not None:
-            streamer.put(first.cpu())
         finished = bool(stopping_criteria(sequence, None).any())  # every criterion: nothing was truncated
         root_position = int(positions[0, -1]) + 1
 
         if not finished:
+            # The draft reads the prompt as part of the prefill, before the first token is
+            # emitted (as serving engines run the drafter in the prefill step): it is prompt
+            # work, paid once per call, and it belongs in TTFT, not in the decode rate.
             drafter.start(input_ids, prompt_features)
             ctx.prefix_len = cache.get_seq_length()
             policy.reset(ctx)
+        if streamer is not None:
+            streamer.put(first.cpu())
 
         while not finished:
             cycle_start = clock()

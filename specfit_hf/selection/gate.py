@@ -289,12 +289,15 @@ class DraftingGate:
                 for kind, h in self._chain_depths:
                     out[kind] = (ct[h], root + h * (per_level + t_expert * per_node))
         if state.draft.t_level is not None:
-            # a probe: the cycle it stands in for, plus the levels it drafts and does not verify
+            # a probe: the cycle it stands in for, plus the levels it drafts and does not verify --
+            # or what its own cycles cost, if more: its first level also reads every token the plain
+            # steps before it committed (the draft skipped them), which no drafting fit sees
             extra = state.draft.predict(PROBE_DEPTH, PROBE_DEPTH)
             for base, probe in self._probes:
                 if base in out:
                     tokens, seconds = out[base]
-                    out[probe] = (tokens, seconds + extra)
+                    own = out[probe][1] if probe in out else 0.0
+                    out[probe] = (tokens, max(seconds + extra, own))
         self._figures = (state.version, out)
         return out
 
