@@ -802,3 +802,47 @@ def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels()
     cheap.observe("plain", 1, 0.010)
     cheap.observe(PROBE, 1, 0.010)
     assert cheap.cycle_figures()[PROBE][1] == pytest.approx(0.010 + extra)
+
+
+def test_gate_reranks_running_plain_decoding_every_few_cycles_and_waits_for_a_warm_cache_to_try_a_chain():
+    from specfit_hf.selection.gate import _RERANK, _START_CYCLES, DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=1000), True, ["plain", "chain:1", "tree"], 1000, 1000)
+    gate.start_call()
+    t_exp = 0.005
+    seq = []
+    for _ in range(_START_CYCLES + 1):
+        kind = gate.choose()
+        seq.append(kind)
+        gate.observe(kind, 1 if kind == "plain" else 2, 0.01 + 3 * t_exp, loads=3, root_loads=3, t_expert=t_exp,
+                     nodes=0 if kind == "plain" else 1, accepted=None if kind == "plain" else 1)
+    # after a prefill the first cycles load the most: the first chain waits until the call's cache warmed up
+    assert seq[:_START_CYCLES] == ["plain"] * _START_CYCLES and seq[_START_CYCLES] == "chain:1"
+    # a chain that delivers nothing more than plain decoding at twice its cost: plain runs, ranked every few cycles
+    for _ in range(5):
+        gate.observe("chain:1", 1, 0.02, loads=0, root_loads=0, t_expert=t_exp, nodes=1, accepted=0)
+    calls = []
+    real = gate.rates
+    gate.rates = lambda: calls.append(gate.state.cycle) or real()
+    for _ in range(4 * _RERANK):
+        kind = gate.choose()
+        assert kind == "plain"
+        gate.observe(kind, 1, 0.01, loads=0, t_expert=t_exp)
+    assert 3 <= len(calls) <= 5  # one ranking per _RERANK cycles, not one per cycle
+    assert all(b - a == _RERANK for a, b in zip(calls, calls[1:]))
+    # once a chain pays it replaces plain decoding within _RERANK cycles
+    for _ in range(10):
+        gate.record_depth(1, True)
+    gate.observe("chain:1", 2, 0.011, loads=0, root_loads=0, t_expert=t_exp, nodes=1, accepted=1)
+    assert "chain:1" in [gate.choose() for _ in range(_RERANK)]
+
+
+def test_gate_plain_figures_are_the_plain_entry_of_every_kinds_figures():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:1", "tree"], 8, 64)
+    t_exp = 0.004
+    for loads in (3, 0, 1, 5):
+        gate.observe("plain", 1, 0.01 + loads * t_exp, loads=loads, t_expert=t_exp)
+        gate.observe("chain:1", 2, 0.02, loads=loads, root_loads=min(loads, 1), t_expert=t_exp, nodes=1, accepted=1)
+        assert gate.plain_figures() == pytest.approx(gate.cycle_figures()["plain"])

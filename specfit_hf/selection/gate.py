@@ -128,6 +128,7 @@ class DraftingMeasurements:
     explore_left: int = 0
     best_before: str | None = None
     current: str | None = None
+    ranked_at: int = 0  # the cycle the kinds were last ranked
     version: int = 0  # bumped on every change of the measurements (what derived figures are cached against)
     node_xtx: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))  # extra loads ~ nodes * (a + b m)
     node_xty: np.ndarray = field(default_factory=lambda: np.zeros(2))
@@ -164,6 +165,7 @@ _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _START_CYCLES = 8  # a call's first cycles, whose root loads :meth:`DraftingGate.start_call` starts from
 _START_EMA = 0.1
+_RERANK = 4  # cycles plain decoding runs on without re-ranking the kinds (a plain step moves no acceptance)
 _NODE_DECAY = 0.98  # per drafting cycle: the fit of what verified nodes load (~50 cycles of memory)
 _NODE_RIDGE = 1.0  # pseudo-observations pulling (a, b) toward (0, 1): a node loads what a root does
 _DEPTH_FAST = 0.05  # per-cycle forgetting of the recent per-depth acceptance (~20 cycles: the text's phase)
@@ -301,6 +303,11 @@ class DraftingGate:
         self._figures = (state.version, out)
         return out
 
+    def plain_figures(self) -> tuple[float, float]:
+        """``cycle_figures()["plain"]`` without ranking every kind (a plain step's forecast, every step)."""
+        tokens, seconds, cycles = self.state.sums["plain"][:3].tolist()
+        return tokens / cycles, seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0)
+
     def depth_acceptance(self) -> np.ndarray | None:
         """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..4``.
 
@@ -354,10 +361,18 @@ class DraftingGate:
             return "tree"
         for kind in self._first:  # a plain step and one chain price every chain (the tree waits for a chain to pay)
             if state.counts.get(kind, 0) < 1:
+                if kind != "plain" and state.root_loads is not None and state.call_cycle < _START_CYCLES:
+                    return "plain"  # the prefill left the cache cold: the chain's nodes would load the most now
                 return kind
         if state.exploring is not None and state.explore_left > 0:
             state.explore_left -= 1
             return state.exploring
+        if state.current == "plain" and state.exploring is None and state.cycle - state.ranked_at < _RERANK:
+            # plain decoding runs: its steps change only the plain step's cost and the root loads,
+            # which move the ranking slowly; ranking (and weighing an exploration) every cycle
+            # would cost host time every step
+            return "plain"
+        state.ranked_at = state.cycle
         rates = self.rates()
         best = self.best(rates)
         if state.current in rates and rates[best] < _SWITCH * rates[state.current]:
@@ -450,7 +465,8 @@ class DraftingGate:
                 if state.call_cycle <= _START_CYCLES:
                     state.start_loads = float(root) if state.start_loads is None else (
                         (1 - _START_EMA) * state.start_loads + _START_EMA * root)
-        chain_tokens = self.chain_tokens()  # the acceptance before this cycle: what the kind was chosen under
+        # the tree's cycles keep the reference chain's tokens at the acceptance they were chosen under
+        chain_tokens = self.chain_tokens() if kind == "tree" else None
         reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
         cycle = np.array([tokens, seconds, 1.0, float(nodes), reference], dtype=np.float64)
         state.sums[kind] = _decayed_add(state.sums.get(kind), cycle, _KIND_EMA)

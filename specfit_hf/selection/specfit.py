@@ -203,7 +203,7 @@ class SpecFitPolicy(SelectionPolicy):
         self._kind = self.gate.choose()
         if self._kind != "tree" and self._kind in self.gate.state.sums:
             # plain or a fixed chain: nothing to decide, and the gate's figures are the forecast
-            figures = self.gate.cycle_figures()[self._kind] if self._kind == "plain" else (1.0, math.nan)
+            figures = self.gate.plain_figures() if self._kind == "plain" else (1.0, math.nan)
             return Selection(nodes=_EMPTY, expected_tokens=figures[0], predicted_time=figures[1],
                              stop=self.max_depth < 1 or self._kind == "plain", children=1)
         plain_missing = self.forecast.plain_step_missing(tree)
