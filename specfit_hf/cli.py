@@ -9,6 +9,7 @@ package (:mod:`specfit_hf.embedded`) and, on a host without CUDA, to an emulated
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
     _add_link_timing_arg(b, default="virtual")
     _add_twin_arg(b, many=True)
+    b.add_argument("--freeze-host-time", action="store_true",
+                   help="with --twin: real time stands still, so every duration is the twin's modeled forwards and "
+                   "transfers and host Python costs nothing; runs are deterministic (the policies' decisions "
+                   "compared without timing noise), and the rows are not what a user gets")
 
     r = sub.add_parser("report", help="merge several bench results.json files into one report")
     r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
@@ -241,10 +246,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import expand_policies, merge_results, run_benchmark, write_report
+    from .bench import expand_policies, merge_results, write_report
+    from .clock import simulated
     from .data import load_prompts
 
     _check_twin(args.twin)
+    if args.freeze_host_time and not args.twin:
+        raise SystemExit("specfit: --freeze-host-time needs --twin (the emulated link times real CPU forwards)")
     if args.policies:  # before loading anything: a typo fails at once
         try:
             args.policies = expand_policies(args.policies)
@@ -274,28 +282,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for tuned in ("eagle3-best", "static-best"):
             if tuned in args.policies and not tune:
                 raise SystemExit(f"specfit: {tuned} needs --tune-prompts > 0")
-    parts = [
-        run_benchmark(
-            target,
-            draft,
-            tok,
-            prompts,
-            cache_fractions=args.cache_fractions,
-            links=args.link,
-            policies=args.policies,
-            runs=args.runs,
-            max_new_tokens=args.max_new_tokens,
-            tune_prompts=tune or None,
-            virtual_link=args.link_timing == "virtual",
-            twin=twin,
-        )
-        for twin in (args.twin or [None])
-    ]
+    frozen = simulated() if args.freeze_host_time else contextlib.nullcontext()
+    with frozen:
+        parts = [_bench_part(args, target, draft, tok, prompts, tune, twin) for twin in (args.twin or [None])]
+    for part in parts:
+        part["meta"]["host_time"] = "frozen" if args.freeze_host_time else "measured"
     results = parts[0] if len(parts) == 1 else merge_results(parts)
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())
     print("wrote", ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _bench_part(args: argparse.Namespace, target: Any, draft: Any, tok: Any, prompts: dict[str, list[str]],
+                tune: dict[str, list[str]], twin: str | None) -> dict[str, Any]:
+    """One twin's (or the emulated link's) grid of ``specfit bench``."""
+    from .bench import run_benchmark
+
+    return run_benchmark(
+        target,
+        draft,
+        tok,
+        prompts,
+        cache_fractions=args.cache_fractions,
+        links=args.link,
+        policies=args.policies,
+        runs=args.runs,
+        max_new_tokens=args.max_new_tokens,
+        tune_prompts=tune or None,
+        virtual_link=args.link_timing == "virtual",
+        twin=twin,
+    )
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

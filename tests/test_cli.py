@@ -79,3 +79,31 @@ def test_demo_and_generate_reject_unknown_twin():
         main(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4", "nope@nowhere"])
     assert build_parser().parse_args(["generate", "--prompt", "x", "--twin", "qwen3-30b-a3b@h100-pcie5"]).twin == \
         "qwen3-30b-a3b@h100-pcie5"
+
+
+def test_bench_with_host_time_frozen_is_deterministic_and_needs_a_twin(tmp_path):
+    from specfit_hf.cli import main
+    from specfit_hf.data import default_model_paths
+
+    with pytest.raises(SystemExit, match="needs --twin"):
+        main(["bench", "--freeze-host-time"])
+    try:
+        paths = default_model_paths()
+    except FileNotFoundError:
+        pytest.skip("embedded model pair not present")
+    if not paths.target.is_dir():
+        pytest.skip("embedded model pair not present")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:",
+                                   "category": "math"}) + "\n")
+    rows = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        assert main(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4", "--freeze-host-time", "--prompts", str(prompts),
+                     "--num-prompts", "1", "--tune-prompts", "0", "--cache-fractions", "0.5", "--policies",
+                     "autoregressive", "specfit", "--max-new-tokens", "12", "--out", str(out)]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["meta"]["host_time"] == "frozen"
+        rows.append({r["policy"]: r["decode_tokens_per_s"] for r in results["runs"]})
+    assert rows[0] == rows[1]  # every duration is modeled: the same figures to the last bit
+    assert set(rows[0]) == {"autoregressive", "specfit"} and all(v > 0 for v in rows[0].values())

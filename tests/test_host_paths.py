@@ -118,3 +118,27 @@ def test_draft_helpers_match_module_calls():
     x = torch.randn(1, 3, post.config.hidden_size)
     assert torch.equal(post.next_hidden_fn()(x), post.norm(x))
     assert tiny_draft_config().hidden_feedback == "pre_norm" and model.next_hidden_fn()(x) is x
+
+
+def test_nonnegative_ridge_closed_form_matches_the_normal_equations_with_bounds():
+    from specfit_hf.selection.calibration import nonnegative_ridge
+
+    def reference(xtx, xty, prior, ridge):
+        m = xtx + ridge * np.eye(2)
+        r = xty + ridge * prior
+        c = np.linalg.solve(m, r)
+        if (c >= 0).all():
+            return c
+        fits = [np.array([max(r[0] / m[0, 0], 0.0), 0.0]), np.array([0.0, max(r[1] / m[1, 1], 0.0)])]
+        return min(fits, key=lambda f: float(f @ m @ f - 2 * r @ f))
+
+    rng = np.random.default_rng(0)
+    clipped = 0
+    for _ in range(2000):
+        x = rng.normal(size=(5, 2)) * rng.uniform(0, 3, size=2)
+        y = rng.normal(size=5) * 3
+        prior, ridge = rng.uniform(0, 2, size=2), rng.uniform(0.01, 2)
+        got = nonnegative_ridge(x.T @ x, x.T @ y, prior, ridge)
+        assert np.allclose(got, reference(x.T @ x, x.T @ y, prior, ridge), atol=1e-9)
+        clipped += int((got == 0).any())
+    assert clipped > 100  # the bound is exercised, not only the interior solution

@@ -75,15 +75,17 @@ class DraftCost:
     identifiable); both terms non-negative.
     """
 
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # decayed [LL, LN, NN, LS, NS]
+    sums: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # decayed [LL, LN, NN, LS, NS] (floats: updated every cycle)
     t_level: float | None = None
     t_node: float = 0.0
 
     def add(self, levels: int, nodes: int, seconds: float, decay: float) -> None:
         """Add one cycle's drafting: ``levels`` levels with ``nodes`` nodes in ``seconds``."""
-        lv, nd = float(levels), float(nodes)
-        self.sums = decay * self.sums + np.array([lv * lv, lv * nd, nd * nd, lv * seconds, nd * seconds])
+        lv, nd, sec = float(levels), float(nodes), float(seconds)
         ll, ln, nn, ls, ns = self.sums
+        ll, ln, nn, ls, ns = (decay * ll + lv * lv, decay * ln + lv * nd, decay * nn + nd * nd, decay * ls + lv * sec,
+                              decay * ns + nd * sec)
+        self.sums = (ll, ln, nn, ls, ns)
         ridge = 1e-3 * nn + 1e-12
         det = ll * (nn + ridge) - ln * ln
         t_level = (ls * (nn + ridge) - ln * ns) / det if det > 0 else -1.0
