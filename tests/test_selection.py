@@ -804,6 +804,54 @@ def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels()
     assert cheap.cycle_figures()[PROBE][1] == pytest.approx(0.010 + extra)
 
 
+def test_drafting_cost_separates_a_cycles_first_level_from_the_levels_after_it():
+    from scipy.optimize import nnls
+
+    from specfit_hf.selection.gate import DraftCost, _nonnegative_solve3
+
+    # the closed-form active-set solve is scipy's NNLS on random problems
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        x, y = rng.normal(size=(6, 3)), rng.normal(size=6)
+        m, r = x.T @ x, x.T @ y
+        got = _nonnegative_solve3(tuple(map(tuple, m.tolist())), tuple(r.tolist()))
+        assert np.allclose(got, nnls(x, y)[0], atol=1e-7)
+    # chains of 1-4 levels where the first level costs 0.9 ms and each later one 0.4 ms
+    cost = DraftCost()
+    for _ in range(30):
+        for levels in (1, 2, 2, 3, 4):
+            cost.add(levels, levels, 1e-3 * (0.5 + 0.4 * levels), 0.97)
+    assert cost.t_cycle == pytest.approx(5e-4, rel=0.05)
+    assert cost.t_level + cost.t_node == pytest.approx(4e-4, rel=0.05)
+    assert cost.predict(3, 3) == pytest.approx(1.7e-3, rel=0.02) and cost.predict(0, 0) == 0.0
+    assert cost.marginal(2, 2) == pytest.approx(0.8e-3, rel=0.05)
+    # a single depth cannot split the cycle from its levels: the ridge keeps the cycle term near 0
+    same = DraftCost()
+    for _ in range(30):
+        same.add(2, 2, 1.3e-3, 0.97)
+    assert same.t_cycle == pytest.approx(0.0, abs=1e-6) and same.predict(2, 2) == pytest.approx(1.3e-3)
+
+
+def test_a_chain_probe_costs_its_extra_levels_and_a_chain_pays_the_first_level_once():
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import PROBE_DEPTH, DraftingGate, DraftingMeasurements, probe_kind
+
+    state = DraftingMeasurements(interval=8)
+    state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0005, t_expert=0.0))
+    gate = DraftingGate(state, True, ["plain", "chain:1", "chain:2", "tree"], 8, 64)
+    for levels in (1, 2, 3, 4) * 10:
+        state.draft.add(levels, levels, 1e-3 * (0.5 + 0.4 * levels), 0.97)
+    gate.observe("plain", 1, 0.004)
+    gate.observe("chain:1", 2, 0.0055, nodes=1, accepted=1)
+    fig = gate.cycle_figures()
+    per_level = state.draft.t_level + state.draft.t_node + 0.0005
+    assert fig["chain:2"][1] == pytest.approx(0.004 + state.draft.t_cycle + 2 * per_level)
+    assert fig["chain:2"][1] - fig["chain:1"][1] == pytest.approx(per_level)
+    # a probe of a chain drafts its extra levels only; a probe of plain decoding drafts at all
+    assert fig[probe_kind(1)][1] == pytest.approx(fig["chain:1"][1] + state.draft.marginal(PROBE_DEPTH, PROBE_DEPTH))
+    assert fig[probe_kind(0)][1] == pytest.approx(0.004 + state.draft.predict(PROBE_DEPTH, PROBE_DEPTH))
+
+
 def test_gate_reranks_running_plain_decoding_every_few_cycles_and_waits_for_a_warm_cache_to_try_a_chain():
     from specfit_hf.selection.gate import _RERANK, _START_CYCLES, DraftingGate, DraftingMeasurements
 

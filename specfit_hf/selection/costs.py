@@ -6,8 +6,9 @@
 * the verification cost ``t0 + t_token * tokens + t_expert * misses``, refitted on the
   measured (cycle - draft - select) seconds and *measured* expert loads of each cycle
   (:class:`~specfit_hf.selection.calibration.OnlineCostModel`);
-* the seconds of drafting (draft steps + the search after each level) per level and per
-  drafted node (:class:`~.gate.DraftCost`), added to ``t0`` for what the tree holds;
+* the seconds of drafting (draft steps + the search after each level): once per drafting
+  cycle (its first level reads the committed tokens), per level and per drafted node
+  (:class:`~.gate.DraftCost`), added to ``t0`` for what the tree holds;
 * expected expert loads, in two parts measured apart.  The *root's* loads (a plain
   step's) are a running mean of what roots really loaded: a root's routing is not known
   before the target runs it, and at half cache it loads 0 to 5 tiny experts by luck.  The

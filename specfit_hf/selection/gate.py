@@ -68,35 +68,93 @@ __all__ = [
 
 @dataclass
 class DraftCost:
-    """Seconds of drafting a tree (draft steps + the search after each level) ~ ``t_level * levels + t_node * nodes``.
+    """Seconds of drafting a tree (draft steps + the search after each level).
 
-    Fitted on every drafting cycle by least squares on decayed sums (a small ridge keeps
-    ``t_node`` near 0 while every level has the same width, when the split is not
-    identifiable); both terms non-negative.
+    ``t_cycle + t_level * levels + t_node * nodes`` for a cycle that drafts at all.  The
+    first level of a cycle costs more than the others: it reads the tokens the last verify
+    committed (the accepted path and the bonus token), where a later level reads only the
+    newest nodes, and the cycle's drafting has set-up of its own.  Without ``t_cycle`` that
+    cost spreads over the levels and makes every extra level look dearer than it is (on
+    this project's CPU host a chain's first level costs about 0.9 ms, each later one 0.4).
+    Fitted on every drafting cycle by non-negative least squares on decayed sums; small
+    ridges keep ``t_cycle`` and ``t_node`` near 0 while the levels and the widths do not vary,
+    when the split is not identifiable.
     """
 
-    sums: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # decayed [LL, LN, NN, LS, NS] (floats: updated every cycle)
+    # decayed [1, L, N, LL, LN, NN, S, LS, NS] (floats: updated every drafting cycle)
+    sums: tuple[float, ...] = (0.0,) * 9
     t_level: float | None = None
     t_node: float = 0.0
+    t_cycle: float = 0.0
 
     def add(self, levels: int, nodes: int, seconds: float, decay: float) -> None:
         """Add one cycle's drafting: ``levels`` levels with ``nodes`` nodes in ``seconds``."""
         lv, nd, sec = float(levels), float(nodes), float(seconds)
-        ll, ln, nn, ls, ns = self.sums
-        ll, ln, nn, ls, ns = (decay * ll + lv * lv, decay * ln + lv * nd, decay * nn + nd * nd, decay * ls + lv * sec,
-                              decay * ns + nd * sec)
-        self.sums = (ll, ln, nn, ls, ns)
-        ridge = 1e-3 * nn + 1e-12
-        det = ll * (nn + ridge) - ln * ln
-        t_level = (ls * (nn + ridge) - ln * ns) / det if det > 0 else -1.0
-        t_node = (ll * ns - ln * ls) / det if det > 0 else -1.0
-        if t_level < 0 or t_node < 0:  # one term alone
-            t_level, t_node = (ls / ll, 0.0) if t_node < 0 or ls / ll >= ns / max(nn, 1e-12) else (0.0, ns / nn)
-        self.t_level, self.t_node = max(float(t_level), 0.0), max(float(t_node), 0.0)
+        w, sl, sn, ll, ln, nn, ss, ls, ns = (decay * x for x in self.sums)
+        self.sums = (w + 1.0, sl + lv, sn + nd, ll + lv * lv, ln + lv * nd, nn + nd * nd, ss + sec, ls + lv * sec,
+                     ns + nd * sec)
+        w, sl, sn, ll, ln, nn, ss, ls, ns = self.sums
+        m = ((w + 1e-3 * w + 1e-12, sl, sn), (sl, ll, ln), (sn, ln, nn + 1e-3 * nn + 1e-12))
+        self.t_cycle, self.t_level, self.t_node = _nonnegative_solve3(m, (ss, ls, ns))
 
     def predict(self, levels: int, nodes: int) -> float:
-        """Seconds of drafting ``levels`` levels holding ``nodes`` nodes (0 before any data)."""
+        """Seconds of a cycle drafting ``levels`` levels holding ``nodes`` nodes (0 before any data, or for none)."""
+        if self.t_level is None or levels <= 0:
+            return 0.0
+        return self.t_cycle + self.t_level * levels + self.t_node * nodes
+
+    def marginal(self, levels: int, nodes: int) -> float:
+        """Seconds of ``levels`` more levels holding ``nodes`` more nodes, in a cycle that drafts already."""
         return 0.0 if self.t_level is None else self.t_level * levels + self.t_node * nodes
+
+
+def _nonnegative_solve3(m: tuple[tuple[float, float, float], ...], r: tuple[float, float, float]
+                        ) -> tuple[float, float, float]:
+    """argmin ``c' M c - 2 r' c`` over ``c >= 0`` for a 3x3 positive semi-definite ``M``.
+
+    Active sets are tried in closed form (Cramer's rule on floats) until one meets the KKT
+    conditions (its coefficients >= 0, the gradient >= 0 on the ones held at 0): this runs
+    after every drafting cycle, where a numpy solve costs more host time than the rest of it.
+    """
+    for free in _SUBSETS:
+        sol = _solve([[m[i][j] for j in free] for i in free], [r[i] for i in free])
+        if sol is None or min(sol) < 0:
+            continue
+        c = [0.0, 0.0, 0.0]
+        for i, v in zip(free, sol):
+            c[i] = v
+        if all(sum(m[i][j] * c[j] for j in range(3)) - r[i] >= -1e-12 * abs(r[i]) for i in range(3) if i not in free):
+            return c[0], c[1], c[2]
+    return 0.0, 0.0, 0.0
+
+
+# the active sets, the usual ones first: every term, then t_node or t_cycle held at 0
+_SUBSETS = ((0, 1, 2), (0, 1), (1, 2), (1,), (0, 2), (0,), (2,))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` for 1x1 to 3x3 ``a`` by Cramer's rule (``None`` when singular)."""
+    n = len(b)
+    if n == 1:
+        return [b[0] / a[0][0]] if a[0][0] > 0 else None
+    if n == 2:
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if det <= 1e-30 * max(a[0][0] * a[1][1], 1e-300):
+            return None
+        return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
+
+    def det3(c: list[list[float]]) -> float:
+        return (c[0][0] * (c[1][1] * c[2][2] - c[1][2] * c[2][1]) - c[0][1] * (c[1][0] * c[2][2] - c[1][2] * c[2][0])
+                + c[0][2] * (c[1][0] * c[2][1] - c[1][1] * c[2][0]))
+
+    det = det3(a)
+    if det <= 1e-30 * max(a[0][0] * a[1][1] * a[2][2], 1e-300):
+        return None
+    out = []
+    for k in range(3):
+        col = [[b[i] if j == k else a[i][j] for j in range(3)] for i in range(3)]
+        out.append(det3(col) / det)
+    return out
 
 
 @dataclass
@@ -283,25 +341,30 @@ class DraftingGate:
             plain = float(sums["plain"][1] / sums["plain"][2])
             verify = state.verify.last_fit if state.verify is not None else None
             draft = state.draft
+            drafting = 0.0  # what drafting at all costs a cycle (its first level reads the committed tokens)
             if draft.t_level is not None and verify is not None:
-                per_level = draft.t_level + draft.t_node + verify.t_token
+                per_level, drafting = draft.t_level + draft.t_node + verify.t_token, draft.t_cycle
             else:
                 levels = [(h, sums[k]) for k, h in self._chain_depths if k in sums]
                 per_level = float(np.mean([max(v[1] / v[2] - plain, 0.0) / h for h, v in levels])) if levels else None
             if per_level is not None:
-                root = plain + t_expert * m
+                root = plain + t_expert * m + drafting
                 for kind, h in self._chain_depths:
                     out[kind] = (ct[h], root + h * (per_level + t_expert * per_node))
         if state.draft.t_level is not None:
-            # a probe: the cycle it stands in for, plus the levels it drafts and does not verify --
-            # or what its own cycles cost, if more: its first level also reads every token the plain
-            # steps before it committed (the draft skipped them), which no drafting fit sees
-            extra = state.draft.predict(PROBE_DEPTH, PROBE_DEPTH)
+            # a probe: the cycle it stands in for, plus the levels it drafts and does not verify.  A
+            # probe of plain decoding drafts at all (a cycle's first level), and costs what its own
+            # cycles did if that is more: its first level also reads every token the plain steps
+            # before it committed (the draft skipped them), which no drafting fit sees
+            extra = state.draft.marginal(PROBE_DEPTH, PROBE_DEPTH)
             for base, probe in self._probes:
                 if base in out:
                     tokens, seconds = out[base]
-                    own = out[probe][1] if probe in out else 0.0
-                    out[probe] = (tokens, max(seconds + extra, own))
+                    if base == "plain":
+                        own = out[probe][1] if probe in out else 0.0
+                        out[probe] = (tokens, max(seconds + state.draft.predict(PROBE_DEPTH, PROBE_DEPTH), own))
+                    else:
+                        out[probe] = (tokens, seconds + extra)
         self._figures = (state.version, out)
         return out
 
