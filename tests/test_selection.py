@@ -883,6 +883,13 @@ def test_gate_reranks_running_plain_decoding_every_few_cycles_and_waits_for_a_wa
         gate.record_depth(1, True)
     gate.observe("chain:1", 2, 0.011, loads=0, root_loads=0, t_expert=t_exp, nodes=1, accepted=1)
     assert "chain:1" in [gate.choose() for _ in range(_RERANK)]
+    # a running chain is ranked every few cycles too (until an exploration is due)
+    calls.clear()
+    for _ in range(4 * _RERANK):
+        kind = gate.choose()
+        assert kind == "chain:1"
+        gate.observe(kind, 2, 0.011, loads=0, root_loads=0, t_expert=t_exp, nodes=1, accepted=1)
+    assert 3 <= len(calls) <= 5 and all(b - a == _RERANK for a, b in zip(calls, calls[1:]))
 
 
 def test_gate_plain_figures_are_the_plain_entry_of_every_kinds_figures():

@@ -53,6 +53,7 @@ offload runtime with the same draft and policy settings.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -76,36 +77,62 @@ class DraftCost:
     newest nodes, and the cycle's drafting has set-up of its own.  Without ``t_cycle`` that
     cost spreads over the levels and makes every extra level look dearer than it is (on
     this project's CPU host a chain's first level costs about 0.9 ms, each later one 0.4).
-    Fitted on every drafting cycle by non-negative least squares on decayed sums; small
+    Every drafting cycle adds to decayed sums; the non-negative least-squares fit is made
+    when the figures are next read (:attr:`t_cycle`, :attr:`t_level`, :attr:`t_node`).  Small
     ridges keep ``t_cycle`` and ``t_node`` near 0 while the levels and the widths do not vary,
     when the split is not identifiable.
     """
 
     # decayed [1, L, N, LL, LN, NN, S, LS, NS] (floats: updated every drafting cycle)
     sums: tuple[float, ...] = (0.0,) * 9
-    t_level: float | None = None
-    t_node: float = 0.0
-    t_cycle: float = 0.0
+    _fit: tuple[float, float, float] | None = field(default=None, repr=False)  # (t_cycle, t_level, t_node)
 
     def add(self, levels: int, nodes: int, seconds: float, decay: float) -> None:
-        """Add one cycle's drafting: ``levels`` levels with ``nodes`` nodes in ``seconds``."""
+        """Add one cycle's drafting: ``levels`` levels with ``nodes`` nodes in ``seconds``.
+
+        The fit is made when next read: the gate reads it when it ranks, every few cycles.
+        """
         lv, nd, sec = float(levels), float(nodes), float(seconds)
-        w, sl, sn, ll, ln, nn, ss, ls, ns = (decay * x for x in self.sums)
-        self.sums = (w + 1.0, sl + lv, sn + nd, ll + lv * lv, ln + lv * nd, nn + nd * nd, ss + sec, ls + lv * sec,
-                     ns + nd * sec)
         w, sl, sn, ll, ln, nn, ss, ls, ns = self.sums
-        m = ((w + 1e-3 * w + 1e-12, sl, sn), (sl, ll, ln), (sn, ln, nn + 1e-3 * nn + 1e-12))
-        self.t_cycle, self.t_level, self.t_node = _nonnegative_solve3(m, (ss, ls, ns))
+        self.sums = (decay * w + 1.0, decay * sl + lv, decay * sn + nd, decay * ll + lv * lv, decay * ln + lv * nd,
+                     decay * nn + nd * nd, decay * ss + sec, decay * ls + lv * sec, decay * ns + nd * sec)
+        self._fit = None
+
+    def _fitted(self) -> tuple[float, float, float]:
+        if self._fit is None:
+            w, sl, sn, ll, ln, nn, ss, ls, ns = self.sums
+            m = ((w + 1e-3 * w + 1e-12, sl, sn), (sl, ll, ln), (sn, ln, nn + 1e-3 * nn + 1e-12))
+            self._fit = _nonnegative_solve3(m, (ss, ls, ns))
+        return self._fit
+
+    @property
+    def t_cycle(self) -> float:
+        """Seconds a drafting cycle pays once (0 before any data)."""
+        return self._fitted()[0] if self.sums[0] > 0 else 0.0
+
+    @property
+    def t_level(self) -> float | None:
+        """Seconds per draft level (``None`` before any data)."""
+        return self._fitted()[1] if self.sums[0] > 0 else None
+
+    @property
+    def t_node(self) -> float:
+        """Seconds per drafted node (0 before any data)."""
+        return self._fitted()[2] if self.sums[0] > 0 else 0.0
 
     def predict(self, levels: int, nodes: int) -> float:
         """Seconds of a cycle drafting ``levels`` levels holding ``nodes`` nodes (0 before any data, or for none)."""
-        if self.t_level is None or levels <= 0:
+        if self.sums[0] <= 0 or levels <= 0:
             return 0.0
-        return self.t_cycle + self.t_level * levels + self.t_node * nodes
+        t_cycle, t_level, t_node = self._fitted()
+        return t_cycle + t_level * levels + t_node * nodes
 
     def marginal(self, levels: int, nodes: int) -> float:
         """Seconds of ``levels`` more levels holding ``nodes`` more nodes, in a cycle that drafts already."""
-        return 0.0 if self.t_level is None else self.t_level * levels + self.t_node * nodes
+        if self.sums[0] <= 0:
+            return 0.0
+        _, t_level, t_node = self._fitted()
+        return t_level * levels + t_node * nodes
 
 
 def _nonnegative_solve3(m: tuple[tuple[float, float, float], ...], r: tuple[float, float, float]
@@ -189,6 +216,7 @@ class DraftingMeasurements:
     best_before: str | None = None
     current: str | None = None
     ranked_at: int = 0  # the cycle the kinds were last ranked
+    explore_at: int = 0  # the first cycle an exploration may start (interval and budget, as last ranked)
     version: int = 0  # bumped on every change of the measurements (what derived figures are cached against)
     node_xtx: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))  # extra loads ~ nodes * (a + b m)
     node_xty: np.ndarray = field(default_factory=lambda: np.zeros(2))
@@ -225,7 +253,7 @@ _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _START_CYCLES = 8  # a call's first cycles, whose root loads :meth:`DraftingGate.start_call` starts from
 _START_EMA = 0.1
-_RERANK = 4  # cycles plain decoding runs on without re-ranking the kinds (a plain step moves no acceptance)
+_RERANK = 4  # cycles plain decoding or a chain runs on without re-ranking the kinds
 _NODE_DECAY = 0.98  # per drafting cycle: the fit of what verified nodes load (~50 cycles of memory)
 _NODE_RIDGE = 1.0  # pseudo-observations pulling (a, b) toward (0, 1): a node loads what a root does
 _DEPTH_FAST = 0.05  # per-cycle forgetting of the recent per-depth acceptance (~20 cycles: the text's phase)
@@ -368,6 +396,10 @@ class DraftingGate:
         self._figures = (state.version, out)
         return out
 
+    def ranked_figures(self) -> dict[str, tuple[float, float]]:
+        """:meth:`cycle_figures` as of the last ranking (a running kind's forecast between rankings)."""
+        return self._figures[1] if self._figures is not None else self.cycle_figures()
+
     def plain_figures(self) -> tuple[float, float]:
         """``cycle_figures()["plain"]`` without ranking every kind (a plain step's forecast, every step)."""
         tokens, seconds, cycles = self.state.sums["plain"][:3].tolist()
@@ -432,11 +464,13 @@ class DraftingGate:
         if state.exploring is not None and state.explore_left > 0:
             state.explore_left -= 1
             return state.exploring
-        if state.current == "plain" and state.exploring is None and state.cycle - state.ranked_at < _RERANK:
-            # plain decoding runs: its steps change only the plain step's cost and the root loads,
-            # which move the ranking slowly; ranking (and weighing an exploration) every cycle
-            # would cost host time every step
-            return "plain"
+        if (state.current not in (None, "tree") and state.exploring is None and state.cycle - state.ranked_at < _RERANK
+                and (state.current == "plain" or state.cycle < state.explore_at)):
+            # plain decoding or a chain runs: one cycle moves the ranking little (a plain step only
+            # the costs and the root loads, a chain one outcome per depth); ranking every cycle would
+            # cost host time every cycle.  A chain still explores on schedule (plain decoding weighs
+            # its probe when it ranks); the tree is a costly bet, re-weighed after each of its cycles.
+            return state.current
         state.ranked_at = state.cycle
         rates = self.rates()
         best = self.best(rates)
@@ -452,10 +486,14 @@ class DraftingGate:
 
             kind = max(self._worth_exploring(best), key=due)
             burst = 1 if kind.startswith("probe:") else self.burst  # a probe measures in one cycle
-            if (state.cycle - state.explored_at) * _EXPLORE_BUDGET >= burst * self._regret(kind, best):
+            wait = burst * self._regret(kind, best) / _EXPLORE_BUDGET  # cycles of the best kind it costs
+            if state.cycle - state.explored_at >= wait:
                 state.explored_at, state.exploring, state.explore_left = state.cycle, kind, burst - 1
                 state.best_before = best
                 return kind
+            state.explore_at = state.explored_at + math.ceil(wait)  # within budget then, as ranked now
+        else:
+            state.explore_at = state.explored_at + state.interval
         if state.exploring is not None:  # a burst ended: back off if the best kind held
             held = best == state.best_before
             state.interval = min(2 * state.interval, self.max_explore_every) if held else self.explore_every

@@ -49,6 +49,20 @@ from .search import CostModel, closed_part, save_instance, select_chain, select_
 __all__ = ["SpecFitPolicy"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+_MAX_CACHED = 64
+# the node lists a chain's selections use, made once (a tensor per level is host time every cycle)
+_PREFIXES = [torch.arange(n, dtype=torch.long) for n in range(_MAX_CACHED + 1)]
+_LAST = [torch.tensor([n], dtype=torch.long) for n in range(_MAX_CACHED)]
+
+
+def _prefix(n: int) -> torch.Tensor:
+    """``arange(n)`` (shared: callers must not modify it)."""
+    return _PREFIXES[n] if n <= _MAX_CACHED else torch.arange(n, dtype=torch.long)
+
+
+def _last(n: int) -> torch.Tensor:
+    """``tensor([n - 1])``: expand the newest node of a chain of ``n`` (shared: callers must not modify it)."""
+    return _LAST[n - 1] if n <= _MAX_CACHED else torch.tensor([n - 1], dtype=torch.long)
 _SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 
 
@@ -132,16 +146,16 @@ class SpecFitPolicy(SelectionPolicy):
     def _chain_cycle(self, tree: DraftTree, depth: int) -> Selection:
         """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all.
 
-        Its figures are the gate's (one per-depth acceptance for every chain, the cost from
-        fitted components): no per-node forecast is needed to run it.  Every few cycles
+        Its figures are the gate's as last ranked (one per-depth acceptance for every chain, the
+        cost from fitted components): no per-node forecast is needed to run it.  Every few cycles
         (:meth:`_sampled`) the experts are forecast anyway, so the tree's cost model keeps
         learning what verified nodes add; the other cycles skip that host time.
         """
         n = len(tree)
-        nodes = torch.arange(n, dtype=torch.long)
+        nodes = _prefix(n)
         if tree.num_levels < min(depth, self.max_depth) and n == tree.num_levels:
-            return Selection(nodes=nodes, stop=False, expand=torch.tensor([n - 1]), children=1)
-        figures = self.gate.cycle_figures().get(self._kind)
+            return Selection(nodes=nodes, stop=False, expand=_last(n), children=1)
+        figures = self.gate.ranked_figures().get(self._kind)
         chain = n == tree.num_levels
         sampled = self._sampled()
         if figures is not None and not (chain and sampled):
@@ -166,9 +180,9 @@ class SpecFitPolicy(SelectionPolicy):
         """
         n = len(tree)
         if tree.num_levels < min(depth + PROBE_DEPTH, self.max_depth) and n == tree.num_levels:
-            return Selection(nodes=_EMPTY, stop=False, expand=torch.tensor([n - 1]), children=1)
-        tokens, seconds = self.gate.cycle_figures().get(self._kind, (1.0, math.nan))
-        nodes = torch.arange(min(depth, n), dtype=torch.long)
+            return Selection(nodes=_EMPTY, stop=False, expand=_last(n), children=1)
+        tokens, seconds = self.gate.ranked_figures().get(self._kind, (1.0, math.nan))
+        nodes = _prefix(min(depth, n))
         return Selection(nodes=nodes, expected_tokens=tokens, predicted_time=seconds, stop=True)
 
     def _follow_shadow(self, committed: list[int]) -> None:
