@@ -807,14 +807,15 @@ def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels()
 def test_drafting_cost_separates_a_cycles_first_level_from_the_levels_after_it():
     from scipy.optimize import nnls
 
-    from specfit_hf.selection.gate import DraftCost, _nonnegative_solve3
+    from specfit_hf.selection.calibration import nonnegative_quadratic
+    from specfit_hf.selection.gate import DraftCost
 
     # the closed-form active-set solve is scipy's NNLS on random problems
     rng = np.random.default_rng(0)
     for _ in range(300):
         x, y = rng.normal(size=(6, 3)), rng.normal(size=6)
         m, r = x.T @ x, x.T @ y
-        got = _nonnegative_solve3(tuple(map(tuple, m.tolist())), tuple(r.tolist()))
+        got = nonnegative_quadratic(m.tolist(), r.tolist())
         assert np.allclose(got, nnls(x, y)[0], atol=1e-7)
     # chains of 1-4 levels where the first level costs 0.9 ms and each later one 0.4 ms
     cost = DraftCost()

@@ -12,6 +12,7 @@ the calibrated model so a few noisy cycles cannot swing it.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
@@ -22,7 +23,10 @@ from scipy.optimize import nnls
 from ..clock import clock
 from .search import CostModel
 
-__all__ = ["CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape", "nonnegative_ridge"]
+__all__ = [
+    "CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape", "nonnegative_quadratic",
+    "nonnegative_ridge",
+]
 
 # (verified tokens incl. root, experts loaded, seconds)
 CostSample = tuple[float, float, float]
@@ -61,22 +65,56 @@ def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None =
 
 
 def nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
-    """argmin ``||X c - y||^2 + ridge ||c - prior||^2`` over ``c >= 0`` (two coefficients; normal equations).
-
-    Solved in closed form on floats: it runs after every drafting cycle, where a 2x2
-    ``np.linalg.solve`` costs more host time than the rest of the update.
-    """
-    (a, b), (_, d) = xtx.tolist()
-    a, d = a + ridge, d + ridge
+    """argmin ``||X c - y||^2 + ridge ||c - prior||^2`` over ``c >= 0`` (two coefficients; normal equations)."""
+    (a, b), (b2, d) = xtx.tolist()
     r0, r1 = (xty + ridge * prior).tolist()
-    det = a * d - b * b
-    if det > 0:
-        c0, c1 = (d * r0 - b * r1) / det, (a * r1 - b * r0) / det
-        if c0 >= 0 and c1 >= 0:
-            return np.array([c0, c1])
-    # one coefficient at 0: the better of the two one-feature fits (objective f'Mf - 2 r'f)
-    f0, f1 = max(r0 / a, 0.0), max(r1 / d, 0.0)
-    return np.array([f0, 0.0]) if a * f0 * f0 - 2 * r0 * f0 <= d * f1 * f1 - 2 * r1 * f1 else np.array([0.0, f1])
+    return np.array(nonnegative_quadratic(((a + ridge, b), (b2, d + ridge)), (r0, r1)))
+
+
+def nonnegative_quadratic(m: Sequence[Sequence[float]], r: Sequence[float]) -> list[float]:
+    """argmin ``c' M c - 2 r' c`` over ``c >= 0`` for a positive semi-definite ``M`` of 1 to 3 rows.
+
+    The normal equations of a non-negative least squares.  Active sets are tried in closed
+    form (Cramer's rule on floats), the largest first, until one meets the KKT conditions
+    (its coefficients >= 0, the gradient >= 0 on the ones held at 0): the drafting fits run
+    after every drafting cycle, where a numpy solve costs more host time than the rest of it.
+    """
+    n = len(r)
+    for free in _ACTIVE_SETS[n]:
+        sol = _solve_small([[m[i][j] for j in free] for i in free], [r[i] for i in free])
+        if sol is None or min(sol) < 0:
+            continue
+        c = [0.0] * n
+        for i, v in zip(free, sol):
+            c[i] = v
+        if all(sum(m[i][j] * c[j] for j in range(n)) - r[i] >= -1e-12 * abs(r[i]) for i in range(n) if i not in free):
+            return c
+    return [0.0] * n
+
+
+# per size, the subsets of coefficients left free, the largest first
+_ACTIVE_SETS = {n: [s for k in range(n, 0, -1) for s in itertools.combinations(range(n), k)] for n in (1, 2, 3)}
+
+
+def _solve_small(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` for 1x1 to 3x3 ``a`` by Cramer's rule (``None`` when singular)."""
+    n = len(b)
+    if n == 1:
+        return [b[0] / a[0][0]] if a[0][0] > 0 else None
+    if n == 2:
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if det <= 1e-30 * max(a[0][0] * a[1][1], 1e-300):
+            return None
+        return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
+
+    def det3(c: list[list[float]]) -> float:
+        return (c[0][0] * (c[1][1] * c[2][2] - c[1][2] * c[2][1]) - c[0][1] * (c[1][0] * c[2][2] - c[1][2] * c[2][0])
+                + c[0][2] * (c[1][0] * c[2][1] - c[1][1] * c[2][0]))
+
+    det = det3(a)
+    if det <= 1e-30 * max(a[0][0] * a[1][1] * a[2][2], 1e-300):
+        return None
+    return [det3([[b[i] if j == k else a[i][j] for j in range(3)] for i in range(3)]) / det for k in range(3)]
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:

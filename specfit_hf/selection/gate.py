@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .calibration import nonnegative_ridge
+from .calibration import nonnegative_quadratic, nonnegative_ridge
 
 __all__ = [
     "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements", "kind_depth",
@@ -102,7 +102,7 @@ class DraftCost:
         if self._fit is None:
             w, sl, sn, ll, ln, nn, ss, ls, ns = self.sums
             m = ((w + 1e-3 * w + 1e-12, sl, sn), (sl, ll, ln), (sn, ln, nn + 1e-3 * nn + 1e-12))
-            self._fit = _nonnegative_solve3(m, (ss, ls, ns))
+            self._fit = tuple(nonnegative_quadratic(m, (ss, ls, ns)))
         return self._fit
 
     @property
@@ -133,55 +133,6 @@ class DraftCost:
             return 0.0
         _, t_level, t_node = self._fitted()
         return t_level * levels + t_node * nodes
-
-
-def _nonnegative_solve3(m: tuple[tuple[float, float, float], ...], r: tuple[float, float, float]
-                        ) -> tuple[float, float, float]:
-    """argmin ``c' M c - 2 r' c`` over ``c >= 0`` for a 3x3 positive semi-definite ``M``.
-
-    Active sets are tried in closed form (Cramer's rule on floats) until one meets the KKT
-    conditions (its coefficients >= 0, the gradient >= 0 on the ones held at 0): this runs
-    after every drafting cycle, where a numpy solve costs more host time than the rest of it.
-    """
-    for free in _SUBSETS:
-        sol = _solve([[m[i][j] for j in free] for i in free], [r[i] for i in free])
-        if sol is None or min(sol) < 0:
-            continue
-        c = [0.0, 0.0, 0.0]
-        for i, v in zip(free, sol):
-            c[i] = v
-        if all(sum(m[i][j] * c[j] for j in range(3)) - r[i] >= -1e-12 * abs(r[i]) for i in range(3) if i not in free):
-            return c[0], c[1], c[2]
-    return 0.0, 0.0, 0.0
-
-
-# the active sets, the usual ones first: every term, then t_node or t_cycle held at 0
-_SUBSETS = ((0, 1, 2), (0, 1), (1, 2), (1,), (0, 2), (0,), (2,))
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """``a x = b`` for 1x1 to 3x3 ``a`` by Cramer's rule (``None`` when singular)."""
-    n = len(b)
-    if n == 1:
-        return [b[0] / a[0][0]] if a[0][0] > 0 else None
-    if n == 2:
-        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
-        if det <= 1e-30 * max(a[0][0] * a[1][1], 1e-300):
-            return None
-        return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
-
-    def det3(c: list[list[float]]) -> float:
-        return (c[0][0] * (c[1][1] * c[2][2] - c[1][2] * c[2][1]) - c[0][1] * (c[1][0] * c[2][2] - c[1][2] * c[2][0])
-                + c[0][2] * (c[1][0] * c[2][1] - c[1][1] * c[2][0]))
-
-    det = det3(a)
-    if det <= 1e-30 * max(a[0][0] * a[1][1] * a[2][2], 1e-300):
-        return None
-    out = []
-    for k in range(3):
-        col = [[b[i] if j == k else a[i][j] for j in range(3)] for i in range(3)]
-        out.append(det3(col) / det)
-    return out
 
 
 @dataclass

@@ -49,6 +49,7 @@ from .search import CostModel, closed_part, save_instance, select_chain, select_
 __all__ = ["SpecFitPolicy"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+_SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 _MAX_CACHED = 64
 # the node lists a chain's selections use, made once (a tensor per level is host time every cycle)
 _PREFIXES = [torch.arange(n, dtype=torch.long) for n in range(_MAX_CACHED + 1)]
@@ -63,7 +64,6 @@ def _prefix(n: int) -> torch.Tensor:
 def _last(n: int) -> torch.Tensor:
     """``tensor([n - 1])``: expand the newest node of a chain of ``n`` (shared: callers must not modify it)."""
     return _LAST[n - 1] if n <= _MAX_CACHED else torch.tensor([n - 1], dtype=torch.long)
-_SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 
 
 @register_policy("specfit")
