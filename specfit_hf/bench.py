@@ -13,6 +13,8 @@ One run compares, on the same prompts, seeds and offload settings:
                     depth 1-4, two small trees, the EAGLE-3 default 60/7/10)
 ``static-best``     the family member with the best decode tok/s on the tune prompts
 ``specfit``         throughput-optimal subtree selection
+``specfit-tree``    the same search every cycle, without the drafting gate (the adaptive tree
+                    alone: what the gate's plain steps and fixed chains add or cost)
 ``oracle``          selection knowing the true acceptance and experts (upper bound)
 ==================  ==========================================================================
 
@@ -147,6 +149,8 @@ def default_variants(
     if static_best is not None:
         variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
     variants.append(Variant("specfit", "specfit", config=dict(EAGLE3_DEFAULTS)))
+    variants.append(Variant("specfit-tree", "specfit",
+                            config={**EAGLE3_DEFAULTS, "policy_kwargs": {"adaptive_drafting": False}}))
     if include_oracle and "oracle" in available_policies():
         variants.append(Variant("oracle", "oracle", config=dict(EAGLE3_DEFAULTS)))
     return variants
@@ -156,7 +160,7 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
     """Validate ``--policies`` names and expand ``static`` to the family's labels.
 
     Accepts the default labels (``autoregressive``, ``eagle3``, ``eagle3-vanilla``,
-    ``eagle3-best``, ``specfit``, ``oracle``), ``static``, ``static-best`` and any
+    ``eagle3-best``, ``specfit``, ``specfit-tree``, ``oracle``), ``static``, ``static-best`` and any
     ``static:d<depth>k<top_k>n<nodes>``.  Raises ``ValueError`` naming what is wrong.
     """
     known = {v.label for v in default_variants(best_n=0, static_best=static_label(*STATIC_FAMILY[0]))}

@@ -10,6 +10,7 @@ from specfit_hf.bench import (
     STATIC_FAMILY,
     PromptRun,
     Variant,
+    default_variants,
     expand_policies,
     merge_results,
     run_benchmark,
@@ -162,6 +163,10 @@ def test_static_family_expansion_and_labels():
     assert len(static_family()) == len(STATIC_FAMILY)
     with pytest.raises(ValueError, match="unknown policies"):
         expand_policies(["statik"])
+    # the adaptive tree alone: the specfit policy with its drafting gate off
+    assert expand_policies(["specfit-tree"]) == ["specfit-tree"]
+    tree = next(v for v in default_variants() if v.label == "specfit-tree")
+    assert tree.policy == "specfit" and tree.config["policy_kwargs"] == {"adaptive_drafting": False}
     with pytest.raises(ValueError, match=">= 1"):
         static_variant("static:d0k1n1")
 
