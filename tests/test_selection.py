@@ -408,6 +408,11 @@ def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
     alone = get_policy("specfit", config)
     alone.reset(ctx)
     assert alone.acceptance.calibrator.observations == 0
+    # another configuration of the policy (a benchmark's side-by-side row) learns apart
+    config, ctx = _shared_ctx(draft, adaptive_drafting=False)
+    other = get_policy("specfit", config)
+    other.reset(ctx)
+    assert other.acceptance is not first.acceptance and other.acceptance.calibrator.observations == 0
 
 
 def test_gate_rates_are_decayed_sums_and_drafting_cost_is_fitted():

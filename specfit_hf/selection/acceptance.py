@@ -245,8 +245,13 @@ class AcceptanceModel:
     _path_cache: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def for_draft(cls, draft: object, settings: dict, share: bool) -> AcceptanceModel:
-        """The model learnt so far for ``draft`` with these calibrator ``settings`` (new if none or not shared)."""
+    def for_draft(cls, draft: object, settings: dict, share: bool, scope: str = "") -> AcceptanceModel:
+        """The model learnt so far for ``draft`` with these calibrator ``settings`` (new if none or not shared).
+
+        ``scope`` names who learns it (the policy and its settings): each policy configuration
+        learns from its own cycles, so one configuration's estimates never depend on which other
+        configurations ran before it in the process (a benchmark runs several side by side).
+        """
         fresh = cls(AcceptanceCalibrator(**settings))
         if not share or draft is None:
             return fresh
@@ -254,7 +259,7 @@ class AcceptanceModel:
             per_draft = _SHARED.setdefault(draft, {})
         except TypeError:  # not weak-referenceable: keep this call's own estimates
             return fresh
-        return per_draft.setdefault(repr(sorted(settings.items())), fresh)
+        return per_draft.setdefault(f"{scope}|{sorted(settings.items())!r}", fresh)
 
     def rank_acceptance(self) -> np.ndarray:
         """``[R]`` learnt acceptance of a parent's rank-``r`` child (non-increasing in ``r``)."""

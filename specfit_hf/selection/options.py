@@ -69,7 +69,8 @@ class SpecFitOptions:
     current optimum (else stop as soon as the optimum holds no node of the newest level)."""
 
     share_acceptance: bool = True
-    """Keep acceptance estimates across ``generate`` calls with the same draft model."""
+    """Keep acceptance estimates across ``generate`` calls with the same draft model (and the same
+    policy settings: each configuration learns from its own cycles)."""
 
     share_drafting: bool = True
     """Keep drafting rates and costs across calls with the same offload runtime and draft."""

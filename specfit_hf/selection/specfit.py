@@ -98,14 +98,15 @@ class SpecFitPolicy(SelectionPolicy):
             initial = default_cost_model(ctx.experts)
         if ctx.experts is None and initial.t_expert:
             initial = CostModel(initial.t0, initial.t_token, 0.0)
-        # cycle costs depend on the policy and its settings (the oracle's include its probe)
+        # cycle costs depend on the policy and its settings (the oracle's include its probe); both
+        # shared figures are kept per configuration, so side-by-side configurations learn apart
         key = f"{type(self).__name__}:{self.options!r}:{self.max_depth}"
         drafting = drafting_measurements(ctx.experts, ctx.draft, key, opts.explore_every, opts.share_drafting)
         self.costs = CycleCostTracker(initial, drafting, opts.online_cost)
         self.gate = DraftingGate(drafting, opts.adaptive_drafting, chain_kinds(self.max_depth), opts.explore_every,
                                  opts.max_explore_every)
         self.gate.start_call()
-        self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance)
+        self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance, key)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
         self._shadow, self._shadow_depth = [], 0
