@@ -116,21 +116,20 @@ class AcceptanceCalibrator:
         """
         centres = np.clip(self._prior, 1e-6, 1 - 1e-6)
         logit = np.log(centres / (1 - centres))
-        out = np.empty((self.groups, self.num_bins))
-        for g in range(self.groups):
-            n, a = self.trials[g], self.accepted[g]
-            b = float(self._shift[g])  # warm start: the shift moves little per update
-            for _ in range(25):  # Newton on a concave 1-D objective
-                s = 1.0 / (1.0 + np.exp(-(logit + b)))
-                grad = float(np.sum(a - n * s)) - b
-                hess = float(np.sum(n * s * (1 - s))) + 1.0
-                step = grad / hess
-                b += float(np.clip(step, -2.0, 2.0))
-                if abs(step) < 1e-8:
-                    break
-            self._shift[g] = b
-            out[g] = 1.0 / (1.0 + np.exp(-(logit + b)))
-        return out
+        n, a = self.trials, self.accepted
+        b = self._shift.copy()  # warm start: the shift moves little per update
+        active = np.ones(self.groups, dtype=bool)
+        for _ in range(25):  # Newton on a concave 1-D objective per group, all groups at once
+            s = 1.0 / (1.0 + np.exp(-(logit + b[:, None])))
+            grad = (a - n * s).sum(axis=1) - b
+            hess = (n * s * (1 - s)).sum(axis=1) + 1.0
+            step = grad / hess
+            b = np.where(active, b + np.clip(step, -2.0, 2.0), b)  # a converged group keeps its shift
+            active &= np.abs(step) >= 1e-8
+            if not active.any():
+                break
+        self._shift = b
+        return 1.0 / (1.0 + np.exp(-(logit + b[:, None])))
 
     @property
     def table(self) -> np.ndarray:

@@ -150,12 +150,14 @@ class ExpertForecast:
 
 def root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:
     """Distinct (layer, expert) pairs of ``root`` ``[L, k]`` (-1 = none) not resident in ``cached`` ``[L, E]``."""
-    layer = np.broadcast_to(np.arange(root.shape[0])[:, None], root.shape)
     valid = root >= 0
-    pairs = np.unique(np.stack([layer[valid], root[valid]]), axis=1)
     if cached is None:
-        return int(pairs.shape[1])
-    return int((~cached[pairs[0], pairs[1]]).sum())
+        num_experts = int(root.max(initial=-1)) + 1
+        ids = (root + np.arange(root.shape[0])[:, None] * num_experts)[valid]
+        return int(np.unique(ids).size)
+    # flat (layer, expert) ids: a 1-D unique is far cheaper than a unique over pairs
+    ids = np.unique((root + np.arange(root.shape[0])[:, None] * cached.shape[1])[valid])
+    return int(np.count_nonzero(~cached.reshape(-1)[ids]))
 
 
 def _after_root(root: np.ndarray, cached: np.ndarray | None, num_experts: int) -> tuple[np.ndarray, np.ndarray, int]:
