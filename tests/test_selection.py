@@ -417,7 +417,7 @@ def test_acceptance_estimates_carry_over_to_the_next_call_with_the_same_draft():
 
 def test_gate_rates_are_decayed_sums_and_drafting_cost_is_fitted():
     import specfit_hf.selection.gate as gate_module
-    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+    from specfit_hf.selection.gate import PROBE, DraftingGate, DraftingMeasurements
 
     gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
     assert gate.rate("tree") is None and gate.best() == "plain"  # nothing measured: the list order
@@ -429,6 +429,12 @@ def test_gate_rates_are_decayed_sums_and_drafting_cost_is_fitted():
     assert gate.rate("tree") == pytest.approx((2 * w + 2) / (0.02 * w + 0.06))
     assert gate.rate("plain") == pytest.approx(1 / 0.03)
     assert gate.best() == "tree"
+    # the tree competes with plain decoding too: it can pay where every chain loses to plain steps
+    mixed = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:1", "tree"], 8, 64)
+    mixed.observe("plain", 1, 0.03)
+    mixed.observe("chain:1", 1, 0.05)
+    mixed.observe("tree", 2, 0.04)
+    assert mixed.best() == "tree" and mixed._worth_exploring("plain") == [PROBE, "tree"]
 
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
     policy = get_policy("specfit", config)
@@ -475,6 +481,18 @@ def test_gate_charges_transfers_at_the_current_root_rate():
         gate.state.root_loads = m
     a, b = gate.state.node_loads
     assert a == pytest.approx(0.2, abs=0.15) and b == pytest.approx(0.7, abs=0.1)
+    # the tree's nodes are priced by what its own nodes loaded against the fit (it verifies cached ones)
+    from specfit_hf.selection.gate import _TREE_NODE_PRIOR
+
+    m_now = gate.state.root_loads
+    forecast = 2 * float(a + b * m_now)
+    root_now = round(m_now)  # the tree's two nodes load nothing beyond its root's experts
+    gate.observe("tree", 3, 0.03 + root_now * t_exp, loads=root_now, root_loads=root_now, t_expert=t_exp, nodes=2)
+    assert tuple(gate.state.node_loads) == pytest.approx((a, b))  # the chains' fit does not learn from the tree
+    factor = (0.0 + _TREE_NODE_PRIOR) / (forecast + _TREE_NODE_PRIOR)
+    m = gate.state.root_loads
+    tokens, seconds = gate.cycle_figures()["tree"]
+    assert seconds == pytest.approx(0.03 + t_exp * (m + (a + b * m) * 2 * factor))
     # without loads a cycle keeps its transfers in its seconds
     bare = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "tree"], 8, 64)
     bare.observe("plain", 1, 0.034)
