@@ -35,7 +35,7 @@ chain's: its search verifies the nodes whose experts are resident, so its ``a + 
 scaled by what its own nodes loaded against what the fit said they would (its own ratio,
 decayed like the fit; the fit itself learns from the chains' and probes' nodes only).
 Priced as a chain's, the tree's nodes made it look dearer than it is exactly where its
-choice of nodes pays (4090 twin, host time frozen, GSM8K at half cache: 0.995 -> 1.025
+choice of nodes pays (4090 twin, host time frozen, GSM8K at half cache: 0.995 -> 1.024
 of the best chain).
 
 **Exploring only what could win, within a budget.**  Every kind runs once first (the
@@ -305,7 +305,7 @@ class DraftingGate:
             return self._figures[1]  # asked twice a cycle (choosing, forecasting): one computation
         sums = state.sums
         m = state.root_loads or 0.0
-        per_node = float(state.node_loads[0] + state.node_loads[1] * m)  # a node's extra loads now
+        per_node = self._node_extra_loads(m)  # a node's extra loads now
         loaded, forecast = state.tree_node_sums
         tree_factor = (loaded + _TREE_NODE_PRIOR) / (forecast + _TREE_NODE_PRIOR)  # the tree picks cheaper nodes
         chain_tokens = self.chain_tokens()
@@ -359,6 +359,11 @@ class DraftingGate:
         self._figures = (state.version, out)
         return out
 
+    def _node_extra_loads(self, m: float) -> float:
+        """Extra loads of a verified chain node at root-loads mean ``m`` (the fit ``a + b m``)."""
+        a, b = self.state.node_loads
+        return float(a + b * m)
+
     def ranked_figures(self) -> dict[str, tuple[float, float]]:
         """:meth:`cycle_figures` as of the last ranking (a running kind's forecast between rankings)."""
         return self._figures[1] if self._figures is not None else self.cycle_figures()
@@ -403,9 +408,9 @@ class DraftingGate:
         """The measured fastest kind (kinds not measured yet rank last); ``rates``: :meth:`rates` if at hand.
 
         The tree competes with plain decoding as well as with the chains: it verifies only the
-        nodes that pay, whose experts are mostly resident, so it can pay where every fixed
-        chain loses to plain decoding (measured, 4090 twin with host time frozen, CNN/DM at
-        half cache: the tree alone 1.05x the best chain, which loses to plain decoding).
+        nodes that pay, whose experts are mostly resident, so it can pay where a fixed chain
+        does not (4090 twin, host time frozen, CNN/DM at half cache: the tree alone 1.05x the
+        best chain).
         """
         rates = self.rates() if rates is None else rates
         simple = max((k for k in self.kinds if k != "tree"), key=lambda k: (k in rates, rates.get(k, 0.0)))
@@ -522,10 +527,10 @@ class DraftingGate:
                 if nodes and kind == "tree":
                     # the tree verifies the nodes whose experts are cached: its nodes load less than a
                     # chain's; what they loaded against what the chains' fit says a node loads
-                    a, b = state.node_loads
                     loaded, forecast = state.tree_node_sums
+                    expected = nodes * self._node_extra_loads(state.root_loads or 0.0)
                     state.tree_node_sums = (_NODE_DECAY * loaded + float(loads - root),
-                                            _NODE_DECAY * forecast + nodes * float(a + b * (state.root_loads or 0.0)))
+                                            _NODE_DECAY * forecast + expected)
                 elif nodes:
                     # the nodes' loads beyond the root's, against the root mean when they ran
                     x = float(nodes) * np.array([1.0, state.root_loads or 0.0])
