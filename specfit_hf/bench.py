@@ -20,7 +20,9 @@ One run compares, on the same prompts, seeds and offload settings:
 
 For every (category, cache fraction, link regime) cell and every policy it records
 decode-phase tokens/s (tokens after the first / seconds after the first token; the
-headline figure), time to first token, end-to-end tokens/s (median over runs), decode
+headline figure), split into the warm-up (the first :data:`WARMUP_TOKENS` decode tokens,
+while the expert cache still holds the prompt's experts) and the steady state after it,
+time to first token, end-to-end tokens/s (median over runs), decode
 speed-ups against each baseline, mean accepted length,
 experts loaded and bytes moved per committed token, predicted vs measured cycle time
 (MAPE), the selection's share of cycle time, and whether the output equals the
@@ -60,6 +62,7 @@ __all__ = [
     "Variant",
     "PromptRun",
     "STATIC_FAMILY",
+    "WARMUP_TOKENS",
     "static_label",
     "static_variant",
     "static_family",
@@ -97,6 +100,14 @@ class Variant:
     config: dict = field(default_factory=dict)
 
 
+
+# Decode tokens counted as the warm-up.  A prefill leaves the expert cache holding the
+# prompt's experts; the first decode tokens route elsewhere and load many (at half cache a
+# plain step's loads fall from ~8 tiny experts to ~1 over its first ten tokens).  On 128-token
+# generations the first 24 decode tokens take ~40 % of the decode time, and the best kind of
+# cycle there is not always the best after (4090 twin, CNN/DM, half cache: plain decoding
+# first, a 1-token chain after), so the benchmark reports the two parts apart.
+WARMUP_TOKENS = 24
 
 # Static tree shapes: (max_depth, tree_top_k, max_verify_nodes).  Chains of depth 1-4, two
 # small trees and EAGLE-3's default tree.
@@ -200,15 +211,36 @@ class _TimingStreamer:
     def end(self) -> None:
         pass
 
-    def first_token_time(self, prompt_len: int, new_tokens: int) -> tuple[float, int]:
-        """``(clock at the put that carried the first new token, tokens in that put)``."""
+    def _new_token_puts(self, prompt_len: int, new_tokens: int) -> list[tuple[float, int]]:
         puts = self.puts
         if puts and sum(n for _, n in puts) == prompt_len + new_tokens and puts[0][1] == prompt_len:
             puts = puts[1:]  # the prompt
-        for t, n in puts:
-            if n > 0:
-                return t, n
-        raise RuntimeError("generate produced no token through the streamer")
+        return [(t, n) for t, n in puts if n > 0]
+
+    def first_token_time(self, prompt_len: int, new_tokens: int) -> tuple[float, int]:
+        """``(clock at the put that carried the first new token, tokens in that put)``."""
+        puts = self._new_token_puts(prompt_len, new_tokens)
+        if not puts:
+            raise RuntimeError("generate produced no token through the streamer")
+        return puts[0]
+
+    def warmup(self, prompt_len: int, new_tokens: int, window: int) -> tuple[float, float]:
+        """``(decode tokens, seconds)`` of the first ``window`` decode tokens (those after the first put's).
+
+        A put carries the tokens of one cycle, all emitted at its end: the cycle that crosses
+        the window's end is split in proportion to its tokens.  Fewer decode tokens than
+        ``window``: all of them.
+        """
+        puts = self._new_token_puts(prompt_len, new_tokens)
+        if not puts:
+            raise RuntimeError("generate produced no token through the streamer")
+        start, _ = puts[0]
+        last, done = start, 0
+        for t, n in puts[1:]:
+            if done + n >= window:
+                return float(window), (last - start) + (t - last) * (window - done) / n
+            done, last = done + n, t
+        return float(done), last - start
 
 
 @dataclass
@@ -230,6 +262,8 @@ class PromptRun:
     ttft_seconds: float = float("nan")
     decode_seconds: float = float("nan")
     decode_tokens: int = 0
+    warmup_seconds: float = float("nan")  # the first WARMUP_TOKENS decode tokens (see _TimingStreamer.warmup)
+    warmup_tokens: float = 0.0
 
 
 @torch.inference_mode()
@@ -319,6 +353,7 @@ def run_variant(
     moved = runtime.stats.total - before
     new = out.sequences[0, input_ids.shape[1]:].tolist()
     first_t, first_n = streamer.first_token_time(input_ids.shape[1], len(new))
+    warmup_tokens, warmup_seconds = streamer.warmup(input_ids.shape[1], len(new), WARMUP_TOKENS)
     accepted = [c.tokens_committed for c in cycles]
     return PromptRun(
         variant=variant.label,
@@ -336,6 +371,8 @@ def run_variant(
         ttft_seconds=first_t - t,
         decode_seconds=end - first_t,
         decode_tokens=len(new) - first_n,
+        warmup_seconds=warmup_seconds,
+        warmup_tokens=warmup_tokens,
     )
 
 
@@ -346,11 +383,21 @@ def _tokens_per_second(runs: Iterable[PromptRun]) -> float:
     return sum(len(r.new_tokens) for r in runs) / seconds if seconds > 0 else float("nan")
 
 
-def _decode_tokens_per_second(runs: Iterable[PromptRun]) -> float:
-    """Decode phase: tokens after the first over the seconds after the first token."""
+def _decode_tokens_per_second(runs: Iterable[PromptRun], part: str = "all") -> float:
+    """Decode phase: tokens after the first over the seconds after the first token.
+
+    ``part``: ``"all"``, ``"warmup"`` (the first :data:`WARMUP_TOKENS` decode tokens) or
+    ``"steady"`` (the decode tokens after them).
+    """
     runs = list(runs)
-    seconds = sum(r.decode_seconds for r in runs)
-    return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else float("nan")
+    if part == "warmup":
+        tokens, seconds = sum(r.warmup_tokens for r in runs), sum(r.warmup_seconds for r in runs)
+    elif part == "steady":
+        tokens = sum(r.decode_tokens - r.warmup_tokens for r in runs)
+        seconds = sum(r.decode_seconds - r.warmup_seconds for r in runs)
+    else:
+        tokens, seconds = sum(r.decode_tokens for r in runs), sum(r.decode_seconds for r in runs)
+    return tokens / seconds if seconds > 0 and tokens > 0 else float("nan")
 
 
 def _tune(
@@ -430,6 +477,10 @@ def summarize(
         rows[label] = {
             "decode_tokens_per_s": statistics.median(decode_runs),
             "decode_tokens_per_s_runs": decode_runs,
+            "warmup_decode_tokens_per_s": statistics.median(
+                _decode_tokens_per_second(rs, "warmup") for rs in per_run.values()),
+            "steady_decode_tokens_per_s": statistics.median(
+                _decode_tokens_per_second(rs, "steady") for rs in per_run.values()),
             "ttft_s": statistics.fmean(r.ttft_seconds for r in vruns),
             "tokens_per_s": statistics.median(tps_runs),
             "tokens_per_s_runs": tps_runs,
@@ -673,6 +724,8 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 _TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
     ("decode tok/s", "decode_tokens_per_s", "{:.2f}"),
+    (f"first {WARMUP_TOKENS} / rest tok/s", ("warmup_decode_tokens_per_s", "steady_decode_tokens_per_s"),
+     "{:.1f} / {:.1f}"),
     ("TTFT ms", "ttft_s", "{:.1f}"),
     ("e2e tok/s", "tokens_per_s", "{:.2f}"),
     ("x AR", "speedup_vs_autoregressive", "{:.2f}"),
@@ -704,6 +757,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         for r in rs:
             cells_txt = []
             for _, key, fmt in _TABLE_COLUMNS:
+                if isinstance(key, tuple):  # several figures in one cell
+                    values = [r.get(k) for k in key]
+                    missing = any(v is None or (isinstance(v, float) and math.isnan(v)) for v in values)
+                    cells_txt.append("–" if missing else fmt.format(*values))
+                    continue
                 value = r.get(key)
                 if key == "bytes_per_token" and value is not None:
                     value = value / 1e6
@@ -743,7 +801,8 @@ def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
     for r in rows:
         cells.setdefault((r["link"], r["category"], r["cache_fraction"]), {})[r["policy"]] = r
     head = ["link", "dataset", "cache", f"{policy} decode tok/s", *[name for _, name in baselines],
-            "vs best static:* row", f"TTFT ms {policy} / AR", f"{policy} τ / EAGLE-3 τ", "all identical"]
+            "vs best static:* row", f"vs AR, first {WARMUP_TOKENS} / rest", f"TTFT ms {policy} / AR",
+            f"{policy} τ / EAGLE-3 τ", "all identical"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def decode(r: dict) -> float:
@@ -759,6 +818,9 @@ def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
         best = _best_static(by)
         line.append(f"{decode(mine) / decode(best):.2f}x (`{best['policy'][7:]}`)" if best else "–")
         ar = by.get("autoregressive", {})
+        parts = [mine.get(k, math.nan) / ar.get(k, math.nan) if ar.get(k) else math.nan
+                 for k in ("warmup_decode_tokens_per_s", "steady_decode_tokens_per_s")]
+        line.append(" / ".join("–" if math.isnan(x) else f"{x:.2f}x" for x in parts))
         line.append(f"{1e3 * mine.get('ttft_s', math.nan):.1f} / {1e3 * ar.get('ttft_s', math.nan):.1f}")
         tau = by["eagle3"]["mean_accepted"] if "eagle3" in by else float("nan")
         line.append(f"{mine['mean_accepted']:.2f} / {tau:.2f}")

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "static:d<depth>k<top_k>n<nodes>, static-best (default: all)")
     b.add_argument("--cache-fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     b.add_argument("--link", nargs="+", default=["qwen3-pcie4"], help="link regimes")
-    b.add_argument("--runs", type=int, default=1)
+    b.add_argument("--runs", type=int, default=1,
+                   help="repeat every prompt of every policy this many times; rows report the median run (default 1)")
     b.add_argument("--max-new-tokens", type=int, default=128,
                    help="new tokens per generation (default 128; decode tok/s is timed after the first)")
     b.add_argument("--max-source-chars", type=int, default=1500, help="shorten articles/questions to this many chars")

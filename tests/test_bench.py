@@ -1,6 +1,7 @@
 """The side-by-side benchmark, link regimes and quality metrics on a tiny random MoE."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from specfit_hf.bench import (
     Variant,
     default_variants,
     expand_policies,
+    markdown_table,
     merge_results,
     run_benchmark,
     speedup_summary,
@@ -87,6 +89,27 @@ def test_summarize_speedups_and_identity():
     assert rows["eagle3"]["outputs_identical_to_autoregressive"] is False
 
 
+def test_warmup_and_steady_decode_split():
+    from specfit_hf.bench import _TimingStreamer
+
+    streamer = _TimingStreamer()
+    # the prompt (5 tokens), the first token at t=1, then cycles of 2, 3 and 1 tokens
+    streamer.puts = [(0.5, 5), (1.0, 1), (2.0, 2), (4.0, 3), (5.0, 1)]
+    assert streamer.first_token_time(5, 7) == (1.0, 1)
+    # 4 decode tokens: the 2-token cycle, then 2 of the 3-token cycle's (2/3 of its 2 s)
+    assert streamer.warmup(5, 7, 4) == pytest.approx((4.0, 1.0 + 2.0 * 2 / 3))
+    assert streamer.warmup(5, 7, 2) == pytest.approx((2.0, 1.0))  # a window ending with a cycle
+    assert streamer.warmup(5, 7, 50) == pytest.approx((6.0, 4.0))  # shorter than the window: all of it
+    runs = [PromptRun("specfit", 0, 0, [1] * 7, 5.0, 4, 1.75, 0, 0, ttft_seconds=1.0, decode_seconds=4.0,
+                      decode_tokens=6, warmup_seconds=1.0 + 4 / 3, warmup_tokens=4.0)]
+    row = summarize(runs, {0: [1] * 7})["specfit"]
+    assert row["decode_tokens_per_s"] == pytest.approx(6 / 4.0)
+    assert row["warmup_decode_tokens_per_s"] == pytest.approx(4 / (1.0 + 4 / 3))
+    assert row["steady_decode_tokens_per_s"] == pytest.approx(2 / (4.0 - 1.0 - 4 / 3))
+    table = markdown_table([{"category": "c", "cache_fraction": 0.5, "link": "l", "policy": "specfit", **row}])
+    assert f"{row['warmup_decode_tokens_per_s']:.1f} / {row['steady_decode_tokens_per_s']:.1f}" in table
+
+
 def test_run_benchmark_grid_and_report(pair, tmp_path):
     target, draft = pair
     tree = {"max_verify_nodes": 6, "max_depth": 3, "tree_top_k": 2}
@@ -102,8 +125,11 @@ def test_run_benchmark_grid_and_report(pair, tmp_path):
     assert len(rows) == 2 * 2 * 3  # categories x cache fractions x policies
     for row in rows:
         for key in ("category", "cache_fraction", "link", "policy", "tokens_per_s", "decode_tokens_per_s", "ttft_s",
-                    "mean_accepted", "experts_loaded_per_token", "outputs_identical_to_autoregressive"):
+                    "warmup_decode_tokens_per_s", "steady_decode_tokens_per_s", "mean_accepted",
+                    "experts_loaded_per_token", "outputs_identical_to_autoregressive"):
             assert key in row
+        assert row["warmup_decode_tokens_per_s"] > 0  # 7 decode tokens: all warm-up, no steady part
+        assert math.isnan(row["steady_decode_tokens_per_s"])
         assert row["outputs_identical_to_autoregressive"] is True  # greedy speculation is lossless
         assert row["tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
         # the prefill is part of end-to-end time only; first token comes after the start
@@ -204,7 +230,7 @@ def test_merge_results_concatenates_cells_and_refuses_duplicates(tmp_path):
     assert len(merged["meta"]["parts"]) == 2
     summary = speedup_summary(merged["runs"]).splitlines()
     assert len(summary) == 2 + 2  # header, rule, one line per cell
-    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | 1.00 | – | – | – | – | 1.00x | – | nan / nan | 1.00 / nan | yes |" \
+    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | 1.00 | – | – | – | – | 1.00x | – | – / – | nan / nan | 1.00 / nan | yes |" \
         in summary
     with pytest.raises(ValueError, match="more than one"):
         merge_results([a, a])
