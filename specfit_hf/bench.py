@@ -104,9 +104,10 @@ class Variant:
 # Decode tokens counted as the warm-up.  A prefill leaves the expert cache holding the
 # prompt's experts; the first decode tokens route elsewhere and load many (at half cache a
 # plain step's loads fall from ~8 tiny experts to ~1 over its first ten tokens).  On 128-token
-# generations the first 24 decode tokens take ~40 % of the decode time, and the best kind of
-# cycle there is not always the best after (4090 twin, CNN/DM, half cache: plain decoding
-# first, a 1-token chain after), so the benchmark reports the two parts apart.
+# generations the first 24 decode tokens take about a third of plain decoding's decode time
+# (4090 twin, half cache), speculation pays less there, and the best kind of cycle is not
+# always the best after (CNN/DM: plain decoding first, a 2-token chain after), so the
+# benchmark reports the two parts apart.
 WARMUP_TOKENS = 24
 
 # Static tree shapes: (max_depth, tree_top_k, max_verify_nodes).  Chains of depth 1-4, two
