@@ -396,8 +396,10 @@ def _decode_tokens_per_second(runs: Iterable[PromptRun], part: str = "all") -> f
     elif part == "steady":
         tokens = sum(r.decode_tokens - r.warmup_tokens for r in runs)
         seconds = sum(r.decode_seconds - r.warmup_seconds for r in runs)
-    else:
+    elif part == "all":
         tokens, seconds = sum(r.decode_tokens for r in runs), sum(r.decode_seconds for r in runs)
+    else:
+        raise ValueError(f"part must be 'all', 'warmup' or 'steady', got {part!r}")
     return tokens / seconds if seconds > 0 and tokens > 0 else float("nan")
 
 
