@@ -43,6 +43,10 @@ Flags:
     --seed N              seed for initialisation and data order (default 0).
     --resume              continue from ``DIR/checkpoint`` (weights, optimizer, scheduler,
                           step, RNG; the data order is a function of seed and step).
+    --init-from DIR       warm start from an existing draft folder: its weights, vocabulary
+                          mapping and expert heads (its draft vocabulary wins over
+                          --draft-vocab); fresh optimizer, warmup and cosine schedule.
+                          Ignored when --resume finds ``OUT/checkpoint``.
     --time-budget-min M   stop cleanly (and save) after M minutes of wall time.
     --max-steps-per-run N stop cleanly (and save) after N steps in this invocation; with
                           --resume, a long run can be done in deterministic chunks.

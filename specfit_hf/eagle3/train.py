@@ -426,6 +426,8 @@ class TrainConfig:
     threads: int = _flag(0, "torch CPU threads (0: torch's default)")
     seed: int = _flag(0, "random seed")
     resume: bool = _flag(False, "continue from OUT/checkpoint (weights, optimizer, scheduler, data order)")
+    init_from: str | None = _flag(None, "warm start: initial weights and vocabulary mapping from this draft folder "
+                                        "(fresh optimizer and schedule; --resume of OUT/checkpoint wins)")
     time_budget_min: float = _flag(0.0, "stop after this many minutes (0: no budget)")
     max_steps_per_run: int = _flag(0, "stop this run after that many steps (0: no limit); resume later")
     save_every: int = _flag(200, "checkpoint every N steps")
@@ -449,6 +451,35 @@ def _batch_indices(num_blocks: int, batch_size: int, step: int, seed: int) -> to
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(num_blocks, generator=g)
     return perm[k * batch_size : (k + 1) * batch_size]
+
+
+def _warm_start_draft(cfg: TrainConfig, target: nn.Module, num_layers: int) -> Eagle3DraftModel:
+    """The draft of ``cfg.init_from`` (weights, vocabulary mapping, expert heads), checked against the target.
+
+    Its own config wins over ``draft_vocab``; feature layers and expert heads must agree
+    with the flags when these are given explicitly.
+    """
+    draft = Eagle3DraftModel.from_pretrained(cfg.init_from, dtype=torch.float32)
+    dcfg = draft.config
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if int(dcfg.vocab_size) != int(tc.vocab_size) or int(dcfg.target_hidden_size) != int(tc.hidden_size):
+        raise ValueError(
+            f"--init-from {cfg.init_from}: draft was built for vocab {dcfg.vocab_size} / hidden "
+            f"{dcfg.target_hidden_size}, the target has {tc.vocab_size} / {tc.hidden_size}"
+        )
+    if cfg.feature_indices is not None:
+        have = list(dcfg.target_feature_indices(num_layers))
+        if have != list(cfg.feature_indices):
+            raise ValueError(f"--init-from draft reads target layers {have}, not --layers {cfg.feature_indices}")
+    if cfg.expert_heads and draft.expert_heads is None:
+        raise ValueError(f"--expert-heads: the --init-from draft {cfg.init_from} has no expert-predictor heads")
+    if int(dcfg.draft_vocab_size) != int(min(cfg.draft_vocab, dcfg.vocab_size)):
+        warnings.warn(
+            f"--init-from draft has a {dcfg.draft_vocab_size}-token draft vocabulary; keeping it "
+            f"(--draft-vocab {cfg.draft_vocab} ignored)",
+            stacklevel=3,
+        )
+    return draft
 
 
 def write_model_card(out_dir: str | os.PathLike, cfg: TrainConfig, summary: dict) -> None:
@@ -549,6 +580,8 @@ def train_eagle3(cfg: TrainConfig, target: nn.Module | None = None, tokenizer: A
     if cfg.resume and (ckpt_dir / "config.json").is_file():
         draft = Eagle3DraftModel.from_pretrained(ckpt_dir, dtype=torch.float32)
         state = torch.load(ckpt_dir / "trainer_state.pt", weights_only=True)
+    elif cfg.init_from:
+        draft = _warm_start_draft(cfg, target, num_layers)
     else:
         expert_predictor = None
         if cfg.expert_heads:
