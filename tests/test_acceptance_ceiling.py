@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from specfit_hf.cli import load_pair
 from specfit_hf.offload import offload_experts
 
+from test_generation import one_thread  # noqa: F401  (fixture)
 
-def _module():
-    path = Path(__file__).resolve().parents[1] / "examples" / "acceptance_ceiling.py"
-    spec = importlib.util.spec_from_file_location("acceptance_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +20,9 @@ def offloaded_pair():
     runtime.detach()
 
 
-def test_scripted_acceptance_rates_and_lossless(offloaded_pair):
+def test_scripted_acceptance_rates_and_lossless(offloaded_pair, example_module):
     target, draft, tokenizer = offloaded_pair
-    module = _module()
+    module = example_module("acceptance_ceiling")
     prompts = [tokenizer(text, return_tensors="pt").input_ids
                for text in ("Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
                             "Article: The city council met on Monday to discuss the new park.\nSummary:")]
@@ -44,7 +37,7 @@ def test_scripted_acceptance_rates_and_lossless(offloaded_pair):
     assert draft.make_tree_drafter == method  # the draft is left as it was
 
 
-def test_scripted_drafter_rejects_a_bad_alpha(offloaded_pair):
-    module = _module()
+def test_scripted_drafter_rejects_a_bad_alpha(example_module):
+    module = example_module("acceptance_ceiling")
     with pytest.raises(ValueError, match="alpha"):
         module.ScriptedAcceptanceDrafter(None, [1, 2], 1.5, None, 10)

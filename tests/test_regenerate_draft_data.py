@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,13 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specfit_hf.embedded import embedded_pair
 
+from test_generation import one_thread  # noqa: F401  (fixture)
 
-def _module():
-    path = Path(__file__).resolve().parents[1] / "examples" / "regenerate_draft_data.py"
-    spec = importlib.util.spec_from_file_location("regenerate_draft_data", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -26,7 +21,7 @@ def _write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_rows_are_the_targets_greedy_continuations(tmp_path):
+def test_rows_are_the_targets_greedy_continuations(tmp_path, example_module):
     target = embedded_pair().target
     if not (target / "config.json").is_file():
         pytest.skip("the embedded target is not in this checkout")
@@ -36,7 +31,7 @@ def test_rows_are_the_targets_greedy_continuations(tmp_path):
     _write(tmp_path / "data" / "gsm8k" / "train.jsonl",
            [{"question": q, "answer": "x\n#### 1"} for q in questions])
     out = tmp_path / "rows.jsonl"
-    module = _module()
+    module = example_module("regenerate_draft_data")
     summary = module.regenerate("gsm8k", "train", None, 12, 2, target, out, data_dir=tmp_path / "data", check=3)
     assert summary["rows"] == 3 and summary["check_rows"] == 3
     assert summary["check_mismatches"] == 0  # batched (left padding) equals one prompt at a time

@@ -9,13 +9,9 @@ from specfit_hf.eagle3 import Eagle3DraftModel
 from specfit_hf.eagle3.train import TargetTeacher, TrainConfig, _batch_indices, eagle3_loss, train_eagle3
 from specfit_hf.testing import VOCAB, tiny_target
 
+from test_generation import one_thread  # noqa: F401  (fixture)
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(out, **kw) -> TrainConfig:

@@ -1,8 +1,6 @@
 """Device twins: constants, scaling, the modeled clock, the bench/CLI wiring and the GPU check script."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -153,11 +151,8 @@ def test_cli_rejects_unknown_twin():
         main(["bench", "--twin", "gpt@abacus"])
 
 
-def test_twin_check_runs_reduced_on_cpu(capsys):
-    path = Path(__file__).resolve().parents[1] / "examples" / "twin_check.py"
-    spec = importlib.util.spec_from_file_location("twin_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_twin_check_runs_reduced_on_cpu(capsys, example_module):
+    module = example_module("twin_check")
     mape = module.main(["--device", "cpu", "--layers", "1", "--reduce", "32", "--tokens", "1", "8",
                         "--draft-nodes", "1", "8", "--copies", "1", "--repeats", "1", "--past", "16"])
     out = capsys.readouterr().out
