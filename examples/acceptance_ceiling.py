@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[float | None, int], tuple[
                    help="per-depth acceptance rates to script, or 'draft' for the real draft")
     p.add_argument("--depths", nargs="+", type=int, default=[1, 2, 3, 4], help="chain depths")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-source-chars", type=int, default=2500, help="CNN/DM article cut (as the benchmark)")
+    p.add_argument("--max-source-chars", type=int, default=2500, help="article / question cut (default 2,500 as examples/measure_acceptance.py; the specfit bench CLI cuts at 1,500)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None, help="target folder (default: the embedded pair)")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: the embedded pair)")
