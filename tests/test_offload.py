@@ -311,6 +311,37 @@ def test_waves_sum_each_wave_in_expert_order():
         runtime.detach()
 
 
+def test_waves_leave_the_busiest_experts_resident():
+    """A prefill needs more experts than fit: the ones it routed the most rows to stay for the decode."""
+    model = build_model("qwen3_moe", seed=4)
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    # 7 distinct experts, 3 slots; rows per expert: 13: 6, 2: 5, 11: 4, 4: 3, 8: 2, 0: 2, 6: 1.  Waves
+    # by rows, the short one first: [6], [0, 8, 4], [11, 2, 13]
+    pairs = [[13, 2]] * 5 + [[13, 11]] * 1 + [[11, 4]] * 3 + [[8, 0]] * 1 + [[8, 13]] * 1 + [[6, 0]] * 1
+    idx = torch.tensor(pairs)
+    hidden = torch.randn(len(pairs), 32, generator=gen)
+    weights = torch.rand(len(pairs), 2, generator=gen)
+    with torch.no_grad():
+        expected = experts(hidden, idx, weights)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=3)
+    try:
+        with torch.no_grad():
+            got = experts(hidden, idx, weights)
+            assert runtime.stats.layers[0].multi_wave_forwards == 1
+            assert (got - expected).abs().max().item() <= 1e-5
+            assert runtime.cached_experts(0) == {13, 2, 11}
+            # the next forward (a decode step on the busiest experts) loads nothing
+            misses = runtime.stats.layers[0].misses
+            experts(hidden[:1], torch.tensor([[2, 13]]), weights[:1])
+            assert runtime.stats.layers[0].misses == misses
+            # then LRU as usual: 11, unused since the prefill, is the victim
+            experts(hidden[:1], torch.tensor([[4, 13]]), weights[:1])
+            assert runtime.cached_experts(0) == {13, 2, 4}
+    finally:
+        runtime.detach()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tree_speculation_with_offload_is_greedy_identical(arch, dtype):
@@ -368,11 +399,12 @@ def test_experts_module_waves_and_shared_experts(arch):
             assert (got - expected[name]).abs().max().item() <= 1e-5, name
         layer = runtime_probe.stats.layers[layer_idx]
         assert layer.multi_wave_forwards == 2  # "waves" and "lonely"
-        # shared: 2 misses.  waves: 16 distinct, 5 and 9 resident -> 2 hits, 14 misses; waves
-        # are [5, 9], [0, 1], ..., [14, 15], so 14 and 15 stay resident.  lonely: {0, 1, 15} ->
-        # 1 hit, 2 misses, waves [15, 0] then [1], which evicts 0 (LRU tie -> smaller id).
-        assert (layer.hits, layer.misses) == (0 + 2 + 1, 2 + 14 + 2)
-        assert runtime_probe.cached_experts(layer_idx) == {1, 15}
+        # shared: 2 misses.  waves: 16 distinct, 5 and 9 resident -> 2 hits, 14 misses; the
+        # residents go first, then the missing ones by rows routed to them (15 has 4, 7 has 6,
+        # the rest 5; ties by id): [5, 9], [15, 0], ..., [14, 7], so 14 and 7 stay resident.
+        # lonely: {0, 1, 15} -> 3 misses; the short wave first: [15] (1 row), then [0, 1].
+        assert (layer.hits, layer.misses) == (0 + 2 + 0, 2 + 14 + 3)
+        assert runtime_probe.cached_experts(layer_idx) == {0, 1}
     finally:
         runtime_probe.detach()
 

@@ -435,11 +435,22 @@ class OffloadRuntime:
         layer.stats.multi_wave_forwards += 1
         self._stats.total.multi_wave_forwards += 1
         resident = cache.slot_of[needed] >= 0
-        order = np.concatenate([np.flatnonzero(resident), np.flatnonzero(~resident)])
+        # The cache ends up holding the last wave, and the next forwards (the decode after a
+        # prefill) route much like this one: the missing experts go in ascending order of the
+        # rows routed to them and the first wave is the short one, so the last, full wave is
+        # the busiest experts.  Transfers are the same in any order; the decode's first tokens
+        # miss far less (tiny Qwen3-MoE pair, half cache, plain decoding, 12 CNN/DM prompts:
+        # 1.45 loads per token over the first 24, 2.93 when the last wave was the highest ids).
+        rows_per_expert = (np.bincount(inverse.numpy().ravel(), minlength=num_needed) if on_cpu
+                           else torch.bincount(inverse.reshape(-1), minlength=num_needed).cpu().numpy())
+        missing = np.flatnonzero(~resident)
+        order = np.concatenate([np.flatnonzero(resident), missing[np.argsort(rows_per_expert[missing], kind="stable")]])
         self._count(layer, int(resident.sum()), int(num_needed - resident.sum()),
                     _first_row_misses(needed[~resident], first, single))
         partial = torch.zeros_like(hidden)
-        waves = [order[i:i + cache.num_slots] for i in range(0, num_needed, cache.num_slots)]
+        short = num_needed % cache.num_slots
+        waves = ([order[:short]] if short else []) + [
+            order[i:i + cache.num_slots] for i in range(short, num_needed, cache.num_slots)]
         for wave_no, positions in enumerate(waves):
             positions = np.sort(positions)  # ascending expert id inside the wave
             slots, load_experts, load_slots = cache.assign(needed[positions], tick)
