@@ -445,8 +445,7 @@ class OffloadRuntime:
                            else torch.bincount(inverse.reshape(-1), minlength=num_needed).cpu().numpy())
         missing = np.flatnonzero(~resident)
         order = np.concatenate([np.flatnonzero(resident), missing[np.argsort(rows_per_expert[missing], kind="stable")]])
-        self._count(layer, int(resident.sum()), int(num_needed - resident.sum()),
-                    _first_row_misses(needed[~resident], first, single))
+        self._count(layer, num_needed - missing.size, missing.size, _first_row_misses(needed[missing], first, single))
         partial = torch.zeros_like(hidden)
         short = num_needed % cache.num_slots
         waves = ([order[:short]] if short else []) + [
