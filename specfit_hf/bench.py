@@ -53,7 +53,7 @@ from .clock import clock
 from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
-from .selection import available_policies, mape
+from .selection import available_policies, mape, mape_floors
 
 if TYPE_CHECKING:
     from .twin import Twin
@@ -265,6 +265,8 @@ class PromptRun:
     decode_tokens: int = 0
     warmup_seconds: float = float("nan")  # the first WARMUP_TOKENS decode tokens (see _TimingStreamer.warmup)
     warmup_tokens: float = 0.0
+    cycle_shapes: list[tuple[int, int]] = field(default_factory=list)  # (levels drafted, nodes verified)
+    cycle_loads: list[int] = field(default_factory=list)  # expert loads of each cycle
 
 
 @torch.inference_mode()
@@ -368,6 +370,8 @@ def run_variant(
         bytes_h2d=int(moved.bytes_h2d),
         predicted_cycle_seconds=[c.predicted_time for c in cycles],
         measured_cycle_seconds=[c.cycle_seconds for c in cycles],
+        cycle_shapes=[(c.levels_drafted, c.nodes_verified) for c in cycles],
+        cycle_loads=[c.experts_loaded or 0 for c in cycles],
         select_seconds=sum(c.select_seconds for c in cycles),
         ttft_seconds=first_t - t,
         decode_seconds=end - first_t,
@@ -477,6 +481,9 @@ def summarize(
         committed = sum(len(r.new_tokens) for r in vruns)
         cycle_records = [r for r in vruns if r.measured_cycle_seconds]
         cycle_seconds = sum(sum(r.measured_cycle_seconds) for r in cycle_records)
+        blind, loads_known = mape_floors([s for r in vruns for s in r.cycle_shapes],
+                                         [x for r in vruns for x in r.cycle_loads],
+                                         [m for r in vruns for m in r.measured_cycle_seconds])
         rows[label] = {
             "decode_tokens_per_s": statistics.median(decode_runs),
             "decode_tokens_per_s_runs": decode_runs,
@@ -494,6 +501,9 @@ def summarize(
                 [p for r in vruns for p in r.predicted_cycle_seconds],
                 [m for r in vruns for m in r.measured_cycle_seconds],
             ),
+            # post hoc references for that MAPE (see mape_floors): routing-blind, and loads known
+            "cycle_time_mape_blind_floor_pct": blind,
+            "cycle_time_mape_loads_known_pct": loads_known,
             "selection_overhead_share": (
                 sum(r.select_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
             ),
@@ -739,6 +749,8 @@ _TABLE_COLUMNS = (
     ("experts/token", "experts_loaded_per_token", "{:.2f}"),
     ("MB/token", "bytes_per_token", "{:.3f}"),
     ("cycle MAPE %", "cycle_time_mape_pct", "{:.1f}"),
+    ("MAPE routing-blind floor / loads known %", ("cycle_time_mape_blind_floor_pct", "cycle_time_mape_loads_known_pct"),
+     "{:.1f} / {:.1f}"),
     ("select share", "selection_overhead_share", "{:.1%}"),
     ("identical", "outputs_identical_to_autoregressive", "{}"),
 )

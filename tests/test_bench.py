@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -71,7 +72,8 @@ def test_summarize_speedups_and_identity():
         PromptRun("autoregressive", 0, 0, [1, 2, 3, 4], 2.0, 4, 1.0, 8, 800, ttft_seconds=0.5,
                   decode_seconds=1.5, decode_tokens=3),
         PromptRun("specfit", 0, 0, [1, 2, 3, 4], 1.0, 2, 2.0, 4, 400, [0.4, 0.5], [0.5, 0.5], 0.1,
-                  ttft_seconds=0.7, decode_seconds=0.3, decode_tokens=3),
+                  ttft_seconds=0.7, decode_seconds=0.3, decode_tokens=3, cycle_shapes=[(1, 1), (1, 1)],
+                  cycle_loads=[1, 3]),
         PromptRun("eagle3", 0, 0, [1, 2, 3, 5], 4.0, 1, 4.0, 16, 1600, ttft_seconds=1.0, decode_seconds=3.0,
                   decode_tokens=3),
     ]
@@ -84,9 +86,32 @@ def test_summarize_speedups_and_identity():
     assert rows["specfit"]["speedup_vs_eagle3"] == pytest.approx(10.0)
     assert rows["specfit"]["experts_loaded_per_token"] == pytest.approx(1.0)
     assert rows["specfit"]["cycle_time_mape_pct"] == pytest.approx(10.0)
+    # both cycles took 0.5 s: the routing-blind reference is exact, and so is the loads-known one
+    assert rows["specfit"]["cycle_time_mape_blind_floor_pct"] == pytest.approx(0.0)
+    assert rows["specfit"]["cycle_time_mape_loads_known_pct"] == pytest.approx(0.0)
+    assert math.isnan(rows["autoregressive"]["cycle_time_mape_blind_floor_pct"])
     assert rows["specfit"]["selection_overhead_share"] == pytest.approx(0.1)
     assert rows["specfit"]["outputs_identical_to_autoregressive"] is True
     assert rows["eagle3"]["outputs_identical_to_autoregressive"] is False
+
+
+def test_mape_floors_split_routing_luck_from_the_cost_model():
+    from specfit_hf.selection import mape_floors
+
+    # two shapes of cycle, each a straight line in its loads: known loads explain everything
+    shapes = [(0, 0)] * 4 + [(2, 2)] * 4
+    loads = [0, 1, 2, 5, 1, 3, 4, 8]
+    seconds = [1.0 + 0.5 * x for x in loads[:4]] + [2.0 + 0.25 * x for x in loads[4:]]
+    blind, known = mape_floors(shapes, loads, seconds)
+    assert known == pytest.approx(0.0, abs=1e-9)
+    # the group means miss by what the loads swing: (0, 0) mean 2.0 vs 1.0 .. 3.5, (2, 2) mean 3.0 vs 2.25 .. 4.0
+    expected = 100 * np.mean([1.0, 0.5 / 1.5, 0.0, 1.5 / 3.5, 0.75 / 2.25, 0.25 / 2.75, 0.0, 1.0 / 4.0])
+    assert blind == pytest.approx(expected)
+    # too few cycles of a shape for a line: both references fall back to the mean
+    assert mape_floors([(1, 1), (1, 1)], [0, 4], [1.0, 3.0]) == pytest.approx((50.0 * (1 + 1 / 3), 50.0 * (1 + 1 / 3)))
+    assert all(math.isnan(v) for v in mape_floors([], [], []))
+    with pytest.raises(ValueError, match="one shape"):
+        mape_floors([(0, 0)], [1, 2], [1.0, 2.0])
 
 
 def test_warmup_and_steady_decode_split():

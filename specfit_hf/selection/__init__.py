@@ -10,7 +10,7 @@ drafting gate (:mod:`.gate`) and the stop rule (:mod:`.lookahead`).  Options are
 """
 
 from .acceptance import AcceptanceCalibrator, AcceptanceModel, path_acceptance
-from .calibration import OnlineCostModel, calibrate, fit_cost_model, mape
+from .calibration import OnlineCostModel, calibrate, fit_cost_model, mape, mape_floors
 from .costs import CycleCostTracker, default_cost_model
 from .experts import DraftHeadPredictor, HistoryPredictor, RouterPredictor, make_predictor
 from .forecast import ExpertForecast
@@ -40,6 +40,7 @@ __all__ = [
     "calibrate",
     "fit_cost_model",
     "mape",
+    "mape_floors",
     "CycleCostTracker",
     "default_cost_model",
     "DraftHeadPredictor",

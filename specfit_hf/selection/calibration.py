@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import deque
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from ..clock import clock
 from .search import CostModel
 
 __all__ = [
-    "CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape", "nonnegative_quadratic",
+    "CostSample", "fit_cost_model", "OnlineCostModel", "calibrate", "mape", "mape_floors", "nonnegative_quadratic",
     "nonnegative_ridge",
 ]
 
@@ -123,6 +123,43 @@ def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
     m = np.asarray(measured, dtype=np.float64)
     ok = np.isfinite(p) & np.isfinite(m) & (m > 0)
     return float(100.0 * np.mean(np.abs(p[ok] - m[ok]) / m[ok])) if ok.any() else float("nan")
+
+
+def mape_floors(shapes: Sequence[Hashable], loads: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """How much of a cycle-time MAPE is routing luck: two post-hoc references, in percent.
+
+    Cycles are grouped by ``shapes`` (e.g. ``(levels drafted, nodes verified)``).
+
+    * ``blind``: every cycle forecast by the mean time of its group, taken after the fact
+      over the same cycles.  No forecast that does not know the cycle's own expert loads
+      (its routing) and works at that granularity does much better.
+    * ``loads_known``: per group, a least-squares line in the cycle's *realized* expert
+      loads: what the cost model's form reaches when the loads are known.
+
+    A forecast MAPE near ``blind`` and far above ``loads_known`` says the error is the
+    routing's, not the cost model's.
+    """
+    ld = np.asarray(loads, dtype=np.float64)
+    sec = np.asarray(seconds, dtype=np.float64)
+    if not len(shapes) == ld.size == sec.size:
+        raise ValueError(f"one shape and one load count per cycle: got {len(shapes)} shapes, {ld.size} loads, "
+                         f"{sec.size} times")
+    if not sec.size:
+        return float("nan"), float("nan")
+    groups: dict[Hashable, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(shape, []).append(i)
+    blind = np.empty_like(sec)
+    known = np.empty_like(sec)
+    for idx in groups.values():
+        x, y = ld[idx], sec[idx]
+        blind[idx] = y.mean()
+        if len(idx) >= 3 and np.ptp(x) > 0:
+            design = np.column_stack([np.ones_like(x), x])
+            known[idx] = design @ np.linalg.lstsq(design, y, rcond=None)[0]
+        else:
+            known[idx] = y.mean()
+    return mape(blind, sec), mape(known, sec)
 
 
 class OnlineCostModel:
