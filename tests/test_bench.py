@@ -203,9 +203,9 @@ def test_policies_filter_and_bad_policy_names(pair):
 
 
 def test_static_family_expansion_and_labels():
-    labels = expand_policies(["autoregressive", "static", "specfit", "static:d5k1n5"])
-    assert labels[0] == "autoregressive" and labels[-1] == "static:d5k1n5"
-    for chain in ("static:d1k1n1", "static:d2k1n2", "static:d3k1n3", "static:d4k1n4"):
+    labels = expand_policies(["autoregressive", "static", "specfit", "static:d2k2n3"])
+    assert labels[0] == "autoregressive" and labels[-1] == "static:d2k2n3"
+    for chain in (f"static:d{d}k1n{d}" for d in range(1, 8)):
         assert chain in labels
     assert "static:d3k2n4" in labels and "static:d4k3n8" in labels and "static:d7k10n60" in labels
     v = static_variant("static:d4k3n8")

@@ -15,7 +15,7 @@ it is the adaptive tree wherever the tree pays.
 **One acceptance for every chain.**  Acceptance follows the text: a stretch of copied
 numbers accepts nearly everything, a fresh sentence little.  Kinds measured in different
 stretches cannot be compared by their own tokens per cycle, so a chain's tokens come from
-one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..4``, pooled over
+one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..7``, pooled over
 every chain cycle (about the last ten weigh most; a depth not reached lately falls back to
 its long-run rate): ``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost
 per cycle.  The tree's tokens are its own, scaled down (never up) by how much the chains'
@@ -204,7 +204,7 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     return per_key.setdefault(key, fresh)
 
 
-_MAX_CHAIN = 4  # longest fixed chain the gate ranks
+_MAX_CHAIN = 7  # longest fixed chain the gate ranks (GSM8K's best static chain is the deepest tried up to 7)
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
@@ -242,7 +242,7 @@ PROBE = probe_kind(0)  # a plain step that drafts a chain it does not verify
 
 
 def chain_kinds(max_depth: int) -> list[str]:
-    """The kinds of cycle the gate ranks: plain, chains of 1..min(4, max_depth) levels, the adaptive tree."""
+    """The kinds of cycle the gate ranks: plain, chains of 1..min(7, max_depth) levels, the adaptive tree."""
     return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_depth) + 1)), "tree"]
 
 
@@ -374,7 +374,7 @@ class DraftingGate:
         return tokens / cycles, seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0)
 
     def depth_acceptance(self) -> np.ndarray | None:
-        """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..4``.
+        """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..7``.
 
         Recent chain cycles and probes (about the last twenty) weigh most; where they did not reach a
         depth, the long-run rate of that depth stands in (``None`` before any chain cycle).

@@ -53,7 +53,7 @@ class SpecFitOptions:
     ``prior_weight``, ``decay``, ``depth_aware``, ``rank_aware``)."""
 
     adaptive_drafting: bool = True
-    """Run the kind of cycle -- plain, a fixed chain of 1-4 levels, or the adaptive tree --
+    """Run the kind of cycle -- plain, a fixed chain of 1-7 levels, or the adaptive tree --
     that measurably delivers the most tokens per second, re-measuring the others now and
     then (:class:`~specfit_hf.selection.gate.DraftingGate`); ``False`` always runs the tree."""
 

@@ -16,7 +16,7 @@ After every draft level :meth:`SpecFitPolicy.select` runs the recipe:
    (:class:`~.lookahead.LookAhead`): the drafting width is part of the decision.
 
 Before drafting (the empty tree) the drafting gate picks the kind of cycle
-(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1-4 levels, or the
+(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1-7 levels, or the
 adaptive tree above, whichever measurably delivers the most tokens per second here --
 so the policy degrades to plain decoding or a short chain wherever the draft, link or
 host make those faster, and runs the tree wherever it pays.  After verification (:meth:`observe`) each
