@@ -482,9 +482,9 @@ def summarize(
         committed = sum(len(r.new_tokens) for r in vruns)
         cycle_records = [r for r in vruns if r.measured_cycle_seconds]
         cycle_seconds = sum(sum(r.measured_cycle_seconds) for r in cycle_records)
+        measured = [m for r in vruns for m in r.measured_cycle_seconds]
         blind, loads_known = mape_floors([s for r in vruns for s in r.cycle_shapes],
-                                         [x for r in vruns for x in r.cycle_loads],
-                                         [m for r in vruns for m in r.measured_cycle_seconds])
+                                         [x for r in vruns for x in r.cycle_loads], measured)
         rows[label] = {
             "decode_tokens_per_s": statistics.median(decode_runs),
             "decode_tokens_per_s_runs": decode_runs,
@@ -498,10 +498,7 @@ def summarize(
             "mean_accepted": statistics.fmean(len(r.new_tokens) / max(1, r.cycles) for r in vruns),
             "experts_loaded_per_token": sum(r.experts_loaded for r in vruns) / max(1, committed),
             "bytes_per_token": sum(r.bytes_h2d for r in vruns) / max(1, committed),
-            "cycle_time_mape_pct": mape(
-                [p for r in vruns for p in r.predicted_cycle_seconds],
-                [m for r in vruns for m in r.measured_cycle_seconds],
-            ),
+            "cycle_time_mape_pct": mape([p for r in vruns for p in r.predicted_cycle_seconds], measured),
             # post hoc references for that MAPE (see mape_floors): routing-blind, and loads known
             "cycle_time_mape_blind_floor_pct": blind,
             "cycle_time_mape_loads_known_pct": loads_known,

@@ -150,15 +150,14 @@ def mape_floors(shapes: Sequence[Hashable], loads: Sequence[float], seconds: Seq
     for i, shape in enumerate(shapes):
         groups.setdefault(shape, []).append(i)
     blind = np.empty_like(sec)
-    known = np.empty_like(sec)
     for idx in groups.values():
-        x, y = ld[idx], sec[idx]
-        blind[idx] = y.mean()
+        blind[idx] = sec[idx].mean()
+    known = blind.copy()  # a group too small for a line, or whose loads never vary, keeps its mean
+    for idx in groups.values():
+        x = ld[idx]
         if len(idx) >= 3 and np.ptp(x) > 0:
             design = np.column_stack([np.ones_like(x), x])
-            known[idx] = design @ np.linalg.lstsq(design, y, rcond=None)[0]
-        else:
-            known[idx] = y.mean()
+            known[idx] = design @ np.linalg.lstsq(design, sec[idx], rcond=None)[0]
     return mape(blind, sec), mape(known, sec)
 
 
