@@ -12,7 +12,11 @@ One run compares, on the same prompts, seeds and offload settings:
                     verify size): ``static`` expands to :data:`STATIC_FAMILY` (chains of
                     depth 1-7, two small trees, the EAGLE-3 default 60/7/10)
 ``static-best``     the family member with the best decode tok/s on the tune prompts
-``specfit``         throughput-optimal subtree selection
+``lookup:d<h>``     prompt lookup decoding: verify up to ``h`` tokens copied from the context
+                    after its longest repeated suffix, no draft model; ``lookup`` expands to
+                    :data:`LOOKUP_FAMILY` (``h`` = 2, 4, 7, 10; transformers' default is 10)
+``specfit``         throughput-optimal subtree selection, offered prompt-lookup chains as well
+``specfit-eagle``   the same policy without prompt-lookup chains (the draft model's proposals only)
 ``specfit-tree``    the same search every cycle, without the drafting gate (the adaptive tree
                     alone: what the gate's plain steps and fixed chains add or cost)
 ``oracle``          selection knowing the true acceptance and experts (upper bound)
@@ -66,6 +70,10 @@ __all__ = [
     "static_label",
     "static_variant",
     "static_family",
+    "LOOKUP_FAMILY",
+    "lookup_variant",
+    "lookup_family",
+    "named_variant",
     "expand_policies",
     "default_variants",
     "measure_cached_step",
@@ -119,6 +127,28 @@ STATIC_FAMILY: tuple[tuple[int, int, int], ...] = (
 )
 _STATIC_RE = re.compile(r"^static:d(\d+)k(\d+)n(\d+)$")
 
+# Prompt lookup decoding's proposal lengths (transformers' ``prompt_lookup_num_tokens`` defaults to 10).
+LOOKUP_FAMILY: tuple[int, ...] = (2, 4, 7, 10)
+_LOOKUP_RE = re.compile(r"^lookup:d(\d+)$")
+
+
+def lookup_variant(label: str) -> Variant:
+    """The variant of a ``lookup:d<h>`` label (the ``lookup`` policy verifying up to ``h`` tokens)."""
+    m = _LOOKUP_RE.match(label)
+    if m is None or int(m.group(1)) < 1:
+        raise ValueError(f"bad prompt lookup label {label!r}: expected lookup:d<tokens>, tokens >= 1, e.g. lookup:d4")
+    return Variant(label, "lookup", config={"max_depth": int(m.group(1))})
+
+
+def lookup_family() -> list[Variant]:
+    """Every member of :data:`LOOKUP_FAMILY` as a variant."""
+    return [lookup_variant(f"lookup:d{h}") for h in LOOKUP_FAMILY]
+
+
+def named_variant(label: str) -> Variant:
+    """The variant of a parametrised label: ``static:d<d>k<k>n<n>`` or ``lookup:d<h>``."""
+    return lookup_variant(label) if label.startswith("lookup:") else static_variant(label)
+
 
 def static_label(depth: int, top_k: int, nodes: int) -> str:
     """Row label of a static tree: ``static:d<depth>k<top_k>n<nodes>`` (a chain has ``k1``)."""
@@ -159,9 +189,12 @@ def default_variants(
     if best_n is not None:
         variants.append(Variant("eagle3-best", "eagle3", config={**EAGLE3_DEFAULTS, "max_verify_nodes": int(best_n)}))
     variants.extend(static_family())
+    variants.extend(lookup_family())
     if static_best is not None:
         variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
     variants.append(Variant("specfit", "specfit", config=dict(EAGLE3_DEFAULTS)))
+    variants.append(Variant("specfit-eagle", "specfit",
+                            config={**EAGLE3_DEFAULTS, "policy_kwargs": {"lookup_tokens": 0}}))
     variants.append(Variant("specfit-tree", "specfit",
                             config={**EAGLE3_DEFAULTS, "policy_kwargs": {"adaptive_drafting": False}}))
     if include_oracle and "oracle" in available_policies():
@@ -173,8 +206,9 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
     """Validate ``--policies`` names and expand ``static`` to the family's labels.
 
     Accepts the default labels (``autoregressive``, ``eagle3``, ``eagle3-vanilla``,
-    ``eagle3-best``, ``specfit``, ``specfit-tree``, ``oracle``), ``static``, ``static-best`` and any
-    ``static:d<depth>k<top_k>n<nodes>``.  Raises ``ValueError`` naming what is wrong.
+    ``eagle3-best``, ``specfit``, ``specfit-eagle``, ``specfit-tree``, ``oracle``), ``static``,
+    ``static-best``, any ``static:d<depth>k<top_k>n<nodes>``, ``lookup`` (the prompt-lookup family)
+    and any ``lookup:d<tokens>``.  Raises ``ValueError`` naming what is wrong.
     """
     known = {v.label for v in default_variants(best_n=0, static_best=static_label(*STATIC_FAMILY[0]))}
     out: list[str] = []
@@ -182,8 +216,10 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
     for name in policies:
         if name == "static":
             out.extend(static_label(*shape) for shape in STATIC_FAMILY)
-        elif name.startswith("static:"):
-            static_variant(name)  # raises on a malformed shape
+        elif name == "lookup":
+            out.extend(v.label for v in lookup_family())
+        elif name.startswith(("static:", "lookup:")):
+            named_variant(name)  # raises on a malformed shape
             out.append(name)
         elif name in known:
             out.append(name)
@@ -191,8 +227,9 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
             unknown.append(name)
     if unknown:
         raise ValueError(
-            f"unknown policies {sorted(unknown)}; choose from {sorted(known - {v.label for v in static_family()})}, "
-            "'static' (the whole family) or static:d<depth>k<top_k>n<nodes>"
+            f"unknown policies {sorted(unknown)}; choose from "
+            f"{sorted(known - {v.label for v in static_family() + lookup_family()})}, "
+            "'static' (the whole family), static:d<depth>k<top_k>n<nodes>, 'lookup' (its family) or lookup:d<tokens>"
         )
     return list(dict.fromkeys(out))
 
@@ -617,8 +654,9 @@ def run_benchmark(
             else:
                 vs = default_variants(best_n, static_best=best_static)
                 if policies is not None:
-                    extra = [static_variant(p) for p in policies if p.startswith("static:")]
-                    vs = [v for v in vs if v.label in policies and not v.label.startswith("static:")] + extra
+                    parametrised = ("static:", "lookup:")
+                    extra = [named_variant(p) for p in policies if p.startswith(parametrised)]
+                    vs = [v for v in vs if v.label in policies and not v.label.startswith(parametrised)] + extra
                     order = {p: i for i, p in enumerate(policies)}
                     vs.sort(key=lambda v: order[v.label])
             cell_runs: list[PromptRun] = []
@@ -791,9 +829,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 _CATEGORY_NAMES = {"summarization": "CNN/DailyMail", "math_reasoning": "GSM8K"}
 
 
-def _best_static(by: dict[str, dict]) -> dict | None:
-    """The ``static:*`` row with the best decode tok/s of one cell (None without any)."""
-    static = [r for p, r in by.items() if p.startswith("static:")]
+def _best_static(by: dict[str, dict], family: str = "static:") -> dict | None:
+    """The ``static:*`` (or other ``family``) row with the best decode tok/s of one cell (None without any)."""
+    static = [r for p, r in by.items() if p.startswith(family)]
     return max(static, key=lambda r: r["decode_tokens_per_s"]) if static else None
 
 
@@ -814,8 +852,8 @@ def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
     for r in rows:
         cells.setdefault((r["link"], r["category"], r["cache_fraction"]), {})[r["policy"]] = r
     head = ["link", "dataset", "cache", f"{policy} decode tok/s", *[name for _, name in baselines],
-            "vs best static:* row", f"vs AR, first {WARMUP_TOKENS} / rest", f"TTFT ms {policy} / AR",
-            f"{policy} τ / EAGLE-3 τ", "all identical"]
+            "vs best static:* row", "vs best lookup:* row", f"vs AR, first {WARMUP_TOKENS} / rest",
+            f"TTFT ms {policy} / AR", f"{policy} τ / EAGLE-3 τ", "all identical"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def decode(r: dict) -> float:
@@ -828,8 +866,9 @@ def speedup_summary(rows: list[dict[str, Any]], policy: str = "specfit") -> str:
         line = [f"`{link}`", _CATEGORY_NAMES.get(category, category), f"{fraction:.0%}", f"{decode(mine):.2f}"]
         for base, _ in baselines:
             line.append(f"{decode(mine) / decode(by[base]):.2f}x" if base in by else "–")
-        best = _best_static(by)
-        line.append(f"{decode(mine) / decode(best):.2f}x (`{best['policy'][7:]}`)" if best else "–")
+        for family in ("static:", "lookup:"):
+            best = _best_static(by, family)
+            line.append(f"{decode(mine) / decode(best):.2f}x (`{best['policy'][len(family):]}`)" if best else "–")
         ar = by.get("autoregressive", {})
         parts = [mine.get(k, math.nan) / ar.get(k, math.nan) if ar.get(k) else math.nan
                  for k in ("warmup_decode_tokens_per_s", "steady_decode_tokens_per_s")]

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only: the offload stage never imports this modu
 
     from .offload.view import ExpertCacheView
 
-__all__ = ["DraftTree", "Selection", "VerifyResult", "CycleRecord", "CycleContext", "OracleProbe"]
+__all__ = ["DraftTree", "LookupProposal", "Selection", "VerifyResult", "CycleRecord", "CycleContext", "OracleProbe"]
 
 
 def _flat_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -57,6 +57,9 @@ class DraftTree:
             ``None`` when the drafter exposes none.  Expert predictors read it.
         root_hidden: ``[D]`` the draft's hidden state for the root token, or ``None``.
         num_levels: how many levels have been drafted (the frontier is the newest level).
+        source: ``"draft"`` (grown by the drafter) or ``"lookup"`` (a chain copied from the
+            context by prompt lookup, :mod:`specfit_hf.generation.lookup`: no draft model ran,
+            so the drafter keeps its accepted tokens as committed ones it has not read yet).
     """
 
     root_token: int
@@ -68,6 +71,7 @@ class DraftTree:
     hidden: torch.Tensor | None = None
     root_hidden: torch.Tensor | None = None
     num_levels: int = 0
+    source: str = "draft"
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -157,7 +161,42 @@ class DraftTree:
             hidden=None if self.hidden is None else self.hidden[nodes],
             root_hidden=self.root_hidden,
             num_levels=int(self.depths[nodes].max()) if nodes.numel() else 0,
+            source=self.source,
         )
+
+
+@dataclass(frozen=True)
+class LookupProposal:
+    """A chain copied from the context: what followed the latest earlier occurrence of its suffix.
+
+    Attributes:
+        tokens: the continuation (at most the proposer's cap), the root's would-be children in order.
+        ngram: length of the context suffix (ending with the root) that matched; longer matches
+            are accepted more often, so acceptance is estimated per ``ngram``.
+        from_prompt: the continuation is copied from the prompt (else from the generated text,
+            which a model repeats at other rates than it copies its prompt).
+    """
+
+    tokens: tuple[int, ...]
+    ngram: int
+    from_prompt: bool = False
+
+    def tree(self, root_token: int, length: int | None = None) -> DraftTree:
+        """The first ``length`` tokens (default: all) as a chain below ``root_token``.
+
+        Each node is a point-mass proposal (draft probability 1): rejection sampling then
+        accepts token ``x`` with the target's own probability of ``x``, which keeps sampling exact.
+        """
+        n = len(self.tokens) if length is None else min(int(length), len(self.tokens))
+        chain = DraftTree(root_token=int(root_token), source="lookup")
+        if n:
+            chain.tokens = torch.tensor(self.tokens[:n], dtype=torch.long)
+            chain.parents = torch.arange(-1, n - 1, dtype=torch.long)
+            chain.depths = torch.arange(1, n + 1, dtype=torch.long)
+            chain.draft_probs = torch.ones(n, dtype=torch.float64)
+            chain.path_probs = torch.ones(n, dtype=torch.float64)
+            chain.num_levels = n
+        return chain
 
 
 @dataclass
@@ -180,6 +219,9 @@ class Selection:
     # rule (the ``tree_top_k`` most likely nodes, ``tree_top_k`` children each).
     expand: torch.Tensor | None = None
     children: int | None = None
+    # ``nodes`` index the cycle's prompt-lookup chain (``CycleContext.lookup``) instead of the
+    # draft tree: the cycle verifies tokens copied from the context and drafts nothing.
+    lookup: bool = False
 
     def __len__(self) -> int:
         return int(self.nodes.numel())
@@ -217,13 +259,15 @@ class CycleRecord:
         cycle_seconds / draft_seconds / select_seconds / verify_seconds: time on
             :func:`specfit_hf.clock.clock` of the whole cycle / the drafter / the policy /
             target forward + acceptance.
-        levels_drafted: draft levels grown this cycle (0: a plain decode step).
+        levels_drafted: draft levels grown this cycle (0: a plain decode step or a lookup chain).
         experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
             ``None`` without a runtime.
         root_experts_loaded: of those, the ones the root's own routing needed (what a plain
             decode step would have loaded in this cycle's place), ``None`` without a runtime.
         expected_tokens / predicted_time: the policy's predictions for its selection
             (``nan`` when the policy does not model them).
+        source: what the verified nodes came from: ``"draft"`` (the draft model, or none
+            verified) or ``"lookup"`` (a prompt-lookup chain).
     """
 
     nodes_drafted: int
@@ -239,6 +283,7 @@ class CycleRecord:
     root_experts_loaded: int | None = None
     expected_tokens: float = math.nan
     predicted_time: float = math.nan
+    source: str = "draft"
 
 
 @dataclass
@@ -269,6 +314,8 @@ class CycleContext:
         prefix_len: tokens in the target cache before this cycle's root.
         oracle_probe: ``tree -> OracleProbe`` (the loop provides it; only the benchmark's
             "oracle" policy calls it), or ``None``.
+        lookup: this cycle's prompt-lookup proposal (the continuation of the context's longest
+            suffix n-gram seen before), or ``None`` when there is none or the policy takes none.
     """
 
     target: PreTrainedModel | None
@@ -277,3 +324,4 @@ class CycleContext:
     draft: torch.nn.Module | None = None
     prefix_len: int = 0
     oracle_probe: Callable[[DraftTree], OracleProbe] | None = None
+    lookup: LookupProposal | None = None

@@ -9,11 +9,13 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from specfit_hf.bench import (
+    LOOKUP_FAMILY,
     STATIC_FAMILY,
     PromptRun,
     Variant,
     default_variants,
     expand_policies,
+    lookup_variant,
     markdown_table,
     merge_results,
     run_benchmark,
@@ -222,6 +224,19 @@ def test_static_family_expansion_and_labels():
         static_variant("static:d0k1n1")
 
 
+def test_lookup_family_expansion_and_labels():
+    labels = expand_policies(["autoregressive", "lookup", "lookup:d3", "specfit", "specfit-eagle"])
+    assert labels == ["autoregressive", *(f"lookup:d{h}" for h in LOOKUP_FAMILY), "lookup:d3", "specfit",
+                      "specfit-eagle"]
+    v = lookup_variant("lookup:d4")
+    assert v.policy == "lookup" and v.config == {"max_depth": 4}
+    eagle_only = next(v for v in default_variants() if v.label == "specfit-eagle")
+    assert eagle_only.policy == "specfit" and eagle_only.config["policy_kwargs"] == {"lookup_tokens": 0}
+    for bad in ("lookup:d0", "lookup:4", "lookup:dx"):
+        with pytest.raises(ValueError, match="bad prompt lookup label"):
+            expand_policies([bad])
+
+
 def test_static_best_is_tuned_on_other_prompts(pair):
     target, draft = pair
     prompts = {"math_reasoning": ["Question: 2+2?"]}
@@ -255,7 +270,7 @@ def test_merge_results_concatenates_cells_and_refuses_duplicates(tmp_path):
     assert len(merged["meta"]["parts"]) == 2
     summary = speedup_summary(merged["runs"]).splitlines()
     assert len(summary) == 2 + 2  # header, rule, one line per cell
-    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | 1.00 | – | – | – | – | 1.00x | – | – / – | nan / nan | 1.00 / nan | yes |" \
+    assert "| `qwen3-pcie4` | CNN/DailyMail | 50% | 1.00 | – | – | – | – | 1.00x | – | – | – / – | nan / nan | 1.00 / nan | yes |" \
         in summary
     with pytest.raises(ValueError, match="more than one"):
         merge_results([a, a])

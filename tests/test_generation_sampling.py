@@ -185,3 +185,30 @@ def test_generate_sampling_matches_target_distribution(temperature, top_k, top_p
 
 
 DRAWS = 1500
+
+
+def test_generate_sampling_with_lookup_chains_matches_target_distribution():
+    """Prompt lookup's chains are point-mass proposals: the token they commit keeps the target's law."""
+    v = 8
+    target = tiny_llama(21, vocab=v)
+    target.generation_config.eos_token_id = None
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1]])  # every token repeats: most t1 find a match
+    processors = LogitsProcessorList([TemperatureLogitsWarper(1.0)])
+    exact = _exact_two_token_distribution(target, prompt, processors).reshape(v, v)
+    cfg = SpecFitConfig(max_new_tokens=2, do_sample=True, policy="lookup", max_depth=3, pad_token_id=0,
+                        return_dict_in_generate=True)
+    torch.manual_seed(0)
+    counts = torch.zeros(v, v, dtype=torch.long)
+    verified = 0
+    for _ in range(DRAWS):
+        out = target.generate(prompt, assistant_model=target, generation_config=cfg)
+        t1, t2 = out.sequences[0, prompt.shape[1]].item(), out.sequences[0, prompt.shape[1] + 1].item()
+        counts[t1, t2] += 1
+        verified += any(c.nodes_verified and c.source == "lookup" for c in out.cycles)
+    assert verified >= DRAWS // 4  # a lookup chain's rejection step decided t2 in many draws (482 of 1500)
+    _assert_matches(counts.sum(0), exact.sum(0), "t2 after a lookup chain")
+    for t1 in range(v):  # t2 given each frequent t1: the chain proposed after t1 differs with t1
+        if counts[t1].sum() >= 200:
+            _assert_matches(counts[t1], exact[t1] / exact[t1].sum(), f"t2 | t1={t1} after a lookup chain")

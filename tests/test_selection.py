@@ -482,14 +482,15 @@ def test_gate_charges_transfers_at_the_current_root_rate():
     a, b = gate.state.node_loads
     assert a == pytest.approx(0.2, abs=0.15) and b == pytest.approx(0.7, abs=0.1)
     # the tree's nodes are priced by what its own nodes loaded against the fit (it verifies cached ones)
-    from specfit_hf.selection.gate import _TREE_NODE_PRIOR
+    from specfit_hf.selection.gate import _OWN_NODE_PRIOR
 
     m_now = gate.state.root_loads
     forecast = 2 * float(a + b * m_now)
     root_now = round(m_now)  # the tree's two nodes load nothing beyond its root's experts
     gate.observe("tree", 3, 0.03 + root_now * t_exp, loads=root_now, root_loads=root_now, t_expert=t_exp, nodes=2)
     assert tuple(gate.state.node_loads) == pytest.approx((a, b))  # the chains' fit does not learn from the tree
-    factor = (0.0 + _TREE_NODE_PRIOR) / (forecast + _TREE_NODE_PRIOR)
+    factor = (0.0 + _OWN_NODE_PRIOR) / (forecast + _OWN_NODE_PRIOR)
+    assert gate.node_factor("tree") == pytest.approx(factor) and gate.node_factor("chain:2") == 1.0
     m = gate.state.root_loads
     tokens, seconds = gate.cycle_figures()["tree"]
     assert seconds == pytest.approx(0.03 + t_exp * (m + (a + b * m) * 2 * factor))

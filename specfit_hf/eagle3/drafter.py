@@ -262,12 +262,14 @@ class Eagle3TreeDrafter(Drafter):
             st.pending_tokens = [int(t) for t in result.new_tokens[:-1]]
             st.pending_features = [feats]
         else:
-            # Nothing was drafted for this root: it is still queued with the older pairs.
-            if accepted:
+            # Nothing was drafted for this root (a plain step, or a prompt-lookup chain): the root
+            # and the accepted tokens join the queued pairs, read when drafting resumes.
+            if accepted and tree.source == "draft":
                 raise ValueError("accepted nodes reported for a tree this drafter never expanded")
             if st.expected_root is not None and int(tree.root_token) != st.expected_root:
                 raise ValueError(f"tree root {tree.root_token} is not the last committed token {st.expected_root}")
             st.pending_tokens.append(int(tree.root_token))
+            st.pending_tokens.extend(int(t) for t in result.new_tokens[:-1])
             st.pending_features.append(feats.to(st.pending_features[-1]))
         st.expected_root = int(result.bonus_token)
         self._tree = None

@@ -6,6 +6,7 @@ Modules, one per stage of the cycle:
 
 * :mod:`.config` - ``SpecFitConfig`` (a ``GenerationConfig`` with the tree settings)
 * :mod:`.drafter` / :mod:`.causal_lm_drafter` - the ``Drafter`` interface and the generic top-k tree drafter
+* :mod:`.lookup` - ``PromptLookup``: chains copied from the context (prompt lookup), no draft model
 * :mod:`.candidates` - draft + select: ``make_drafter``, ``TreeCandidateGenerator`` -> ``TreeCandidates``
 * :mod:`.tree_mask` - parents -> additive 4D tree attention mask
 * :mod:`.verify` - one target forward over the tree, greedy / rejection-sampling acceptance
@@ -22,6 +23,7 @@ from .candidates import TreeCandidateGenerator, TreeCandidates, make_drafter
 from .causal_lm_drafter import CausalLMTreeDrafter
 from .config import EAGLE3_DEFAULTS, SpecFitConfig
 from .drafter import Drafter
+from .lookup import PromptLookup
 from .loop import SpecFitGenerateOutput, tree_speculative_decoding
 from .tree_mask import ancestor_matrix, tree_attention_mask
 from .verify import accept, verify_forward
@@ -33,6 +35,7 @@ __all__ = [
     "CycleRecord",
     "Drafter",
     "EAGLE3_DEFAULTS",
+    "PromptLookup",
     "SpecFitCache",
     "SpecFitConfig",
     "SpecFitGenerateOutput",

@@ -4,7 +4,10 @@
 a transformers ``CandidateGenerator`` whose candidates
 are a *tree*: it alternates ``policy.select`` and ``drafter.draft_level`` until the
 policy says stop (or ``max_depth`` levels exist), then lays the selected nodes out as a
-verification block ``[root] + selected nodes`` (:class:`TreeCandidates`).
+verification block ``[root] + selected nodes`` (:class:`TreeCandidates`).  When the policy
+takes prompt-lookup proposals (``policy.lookup_tokens``), each cycle's proposal is offered
+to it first (``CycleContext.lookup``); a selection with ``lookup`` set verifies that chain
+and drafts nothing.
 
 Block layout: index 0 is the root; index ``1 + i`` is the ``i``-th selected node in tree
 order, so parents precede children and ``block_parents`` indexes the block itself.
@@ -24,6 +27,7 @@ from ..selection import SelectionPolicy
 from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult, _flat_cpu
 from .causal_lm_drafter import CausalLMTreeDrafter
 from .drafter import Drafter
+from .lookup import PromptLookup
 from .tree_mask import additive_mask, ancestors, causal_mask, is_chain, tree_attention_mask
 
 __all__ = ["TreeCandidates", "TreeCandidateGenerator", "layout_candidates", "make_drafter"]
@@ -182,17 +186,25 @@ class TreeCandidateGenerator(CandidateGenerator):
         ctx: the policy's ``CycleContext`` (``prefix_len`` is updated every cycle).
         max_depth: hard cap on draft levels (the policy may stop earlier).
         device / mask_dtype: where and in which dtype the target runs.
+        lookup: the context's n-gram index, when the policy takes prompt-lookup proposals.
     """
 
     def __init__(self, drafter: Drafter, policy: SelectionPolicy, ctx: CycleContext, max_depth: int,
-                 device: torch.device | str, mask_dtype: torch.dtype) -> None:
+                 device: torch.device | str, mask_dtype: torch.dtype, lookup: PromptLookup | None = None) -> None:
         self.drafter = drafter
         self.policy = policy
         self.ctx = ctx
         self.max_depth = int(max_depth)
         self.device = device
         self.mask_dtype = mask_dtype
+        self.lookup = lookup
         self.last_candidates: TreeCandidates | None = None
+
+    def start(self, prompt_ids: torch.LongTensor, prompt_features: torch.Tensor | None, first_token: int) -> None:
+        """After the prefill: the drafter reads the prompt; the lookup indexes it and the first token."""
+        self.drafter.start(prompt_ids, prompt_features)
+        if self.lookup is not None:
+            self.lookup.start([*prompt_ids.reshape(-1).tolist(), int(first_token)], prompt_len=prompt_ids.numel())
 
     def propose(
         self,
@@ -211,9 +223,14 @@ class TreeCandidateGenerator(CandidateGenerator):
         tree = DraftTree(root_token=int(root_token))
         draft_s = 0.0
         t = clock()
+        self.ctx.lookup = None if self.lookup is None else self.lookup.propose()
         selection = self.policy.select(tree, self.ctx)
         select_s = clock() - t
-        while not selection.stop and tree.num_levels < self.max_depth:
+        if selection.lookup:  # verify the prompt-lookup chain: nothing to draft
+            if self.ctx.lookup is None:
+                raise RuntimeError(f"{type(self.policy).__name__} selected a lookup chain in a cycle without one")
+            tree = self.ctx.lookup.tree(root_token)
+        while not selection.lookup and not selection.stop and tree.num_levels < self.max_depth:
             size_before = len(tree)
             t = clock()
             if selection.expand is None and selection.children is None:
@@ -241,9 +258,13 @@ class TreeCandidateGenerator(CandidateGenerator):
         candidates = self.propose(int(input_ids[0, -1]), input_ids.shape[1] - 1)
         return torch.cat([input_ids, candidates.input_ids[:, 1:].to(input_ids.device)], dim=1), None
 
-    def commit(self, candidates: TreeCandidates, result: VerifyResult, target_features: torch.Tensor | None) -> None:
-        """Tell the drafter which path was accepted (its cache keeps only that path)."""
+    def commit(self, candidates: TreeCandidates, result: VerifyResult, target_features: torch.Tensor | None,
+               committed: list[int] | None = None) -> None:
+        """Tell the drafter which path was accepted (its cache keeps only that path), and the lookup
+        the ``committed`` tokens (default: all of ``result.new_tokens``)."""
         self.drafter.commit(candidates.tree, result, target_features)
+        if self.lookup is not None:
+            self.lookup.extend(result.new_tokens if committed is None else committed)
 
     def observe(self, candidates: TreeCandidates, result: VerifyResult, record: CycleRecord) -> None:
         """Let the policy learn from the cycle's outcome."""

@@ -195,8 +195,9 @@ class CausalLMTreeDrafter(Drafter):
             raise RuntimeError("CausalLMTreeDrafter.start() must run before commit()")
         accepted = torch.as_tensor(result.accepted, dtype=torch.long)
         accepted_tokens = tree.tokens[accepted].tolist() if accepted.numel() else []
-        if tree.num_levels == 0 or self._region_anc.numel() == 0:
-            # Nothing was drafted this cycle: the draft never saw the root.
+        if tree.num_levels == 0 or tree.source != "draft" or self._region_anc.numel() == 0:
+            # Nothing was drafted this cycle (a plain step, or a prompt-lookup chain): the draft
+            # never saw the root nor the accepted tokens.
             self._pending += [tree.root_token] + accepted_tokens
         else:
             region = self._node_region[accepted] if accepted.numel() else torch.empty(0, dtype=torch.long)

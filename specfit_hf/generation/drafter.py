@@ -73,7 +73,9 @@ class Drafter(ABC):
         """Verification finished: keep the root and the accepted path, drop the rest.
 
         ``target_features`` covers the root and the accepted nodes, in path order.
-        The next cycle's root is ``result.bonus_token``.
+        The next cycle's root is ``result.bonus_token``.  A tree this drafter did not grow
+        (``tree.source == "lookup"``: a chain copied from the context) commits its root and
+        accepted tokens as tokens the draft has not read yet, like a plain step's root.
         """
 
 

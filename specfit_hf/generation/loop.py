@@ -31,6 +31,7 @@ from ..selection import get_policy
 from ..tree import CycleContext, CycleRecord
 from .cache import SpecFitCache
 from .candidates import TreeCandidateGenerator, make_drafter
+from .lookup import PromptLookup
 from .oracle_probe import TreeOracleProbe
 from .verify import accept, verify_forward
 
@@ -180,7 +181,9 @@ def tree_speculative_decoding(
     mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
     oracle_probe = TreeOracleProbe(model, cache, runtime, mask_dtype)  # only the "oracle" policy calls it
     ctx = CycleContext(target=model, config=config, experts=experts, draft=assistant_model, oracle_probe=oracle_probe)
-    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype)
+    lookup = PromptLookup(max_tokens=policy.lookup_tokens) if policy.lookup_tokens else None
+    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype,
+                                                 lookup)
     records: list[CycleRecord] = []
 
     # Prefill: the target reads the prompt and produces the first token (the first root).
@@ -224,7 +227,7 @@ def tree_speculative_decoding(
             # The draft reads the prompt as part of the prefill, before the first token is
             # emitted (as serving engines run the drafter in the prefill step): it is prompt
             # work, paid once per call, and it belongs in TTFT, not in the decode rate.
-            drafter.start(input_ids, prompt_features)
+            candidate_generator.start(input_ids, prompt_features, int(first))
             ctx.prefix_len = cache.get_seq_length()
             policy.reset(ctx)
         if streamer is not None:
@@ -273,7 +276,7 @@ def tree_speculative_decoding(
                 if block_features is not None and len(result.accepted_positions) < block_features.shape[1]:
                     rows = torch.tensor(result.accepted_positions, dtype=torch.long)
                     commit_features = block_features[:, rows.to(block_features.device)]
-                candidate_generator.commit(candidates, result, commit_features)
+                candidate_generator.commit(candidates, result, commit_features, new_tokens)
 
             record = CycleRecord(
                 nodes_drafted=len(candidates.tree),
@@ -284,7 +287,8 @@ def tree_speculative_decoding(
                 draft_seconds=candidates.draft_seconds,
                 select_seconds=candidates.select_seconds,
                 verify_seconds=verify_s,
-                levels_drafted=candidates.tree.num_levels,
+                levels_drafted=candidates.tree.num_levels if candidates.tree.source == "draft" else 0,
+                source=candidates.tree.source,
                 experts_loaded=None if experts is None else experts.loads() - loads_before,
                 root_experts_loaded=None if experts is None else experts.root_loads() - root_loads_before,
                 expected_tokens=float(candidates.selection.expected_tokens),

@@ -4,7 +4,8 @@ The ``specfit`` policy (:mod:`.specfit`) reads as its recipe and delegates each 
 small collaborator: path acceptance (:mod:`.acceptance`), expert forecast
 (:mod:`.forecast`, predictors in :mod:`.experts`), the exact search (:mod:`.search`, its
 min cut in :mod:`.mincut`), cycle costs (:mod:`.costs`, :mod:`.calibration`), the
-drafting gate (:mod:`.gate`) and the stop rule (:mod:`.lookahead`).  Options are typed
+drafting gate (:mod:`.gate`), the stop rule (:mod:`.lookahead`) and whether a cycle verifies
+its prompt-lookup chain instead (:mod:`.lookup`).  Options are typed
 (:mod:`.options`).  Baseline policies live in :mod:`.policy`, the benchmark's oracle in
 :mod:`.oracle`, predictor-quality reports in :mod:`.quality`.
 """
@@ -16,11 +17,13 @@ from .experts import DraftHeadPredictor, HistoryPredictor, RouterPredictor, make
 from .forecast import ExpertForecast
 from .gate import DraftingGate
 from .lookahead import LookAhead
+from .lookup import LookupAcceptance, best_lookup_prefix
 from .options import SpecFitOptions
 from .oracle import OraclePolicy
 from .policy import (
     AutoregressivePolicy,
     Eagle3Policy,
+    PromptLookupPolicy,
     SelectionPolicy,
     available_policies,
     get_policy,
@@ -53,6 +56,9 @@ __all__ = [
     "SpecFitOptions",
     "AutoregressivePolicy",
     "Eagle3Policy",
+    "PromptLookupPolicy",
+    "LookupAcceptance",
+    "best_lookup_prefix",
     "SelectionPolicy",
     "available_policies",
     "get_policy",

@@ -140,7 +140,7 @@ class CycleCostTracker:
                 self._node_fit = nonnegative_ridge(self._node_xtx, self._node_xty, np.array([0.0, 1.0]), _NODE_RIDGE)
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        if tree.num_levels > 0:  # a level costs its draft step and the search after it
+        if tree.num_levels > 0 and tree.source == "draft":  # a level costs its draft step and the search after it
             self.draft.add(tree.num_levels, len(tree), draft_s + select_s, _DRAFT_DECAY)
         if self.online:
             self.fit.add(tokens=record.nodes_verified + 1,

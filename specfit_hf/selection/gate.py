@@ -66,10 +66,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .calibration import nonnegative_quadratic, nonnegative_ridge
+from .lookup import LOOKUP_CONTEXTS, LookupAcceptance
 
 __all__ = [
-    "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements", "kind_depth",
-    "probe_kind",
+    "LOOKUP", "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements",
+    "kind_depth", "probe_kind",
 ]
 
 
@@ -152,8 +153,8 @@ class DraftingMeasurements:
     ``counts``: cycles run per kind;
     ``last_run``: the cycle each kind last ran; ``root_loads``: running mean of the
     experts a root alone loads; ``t_expert``: seconds per load the rates charge;
-    ``tree_node_sums``: decayed (extra loads, the node fit's forecast of them) of the
-    tree's cycles.
+    ``own_node_sums``: per kind whose nodes are not a drafted chain's (the tree, lookup
+    chains), decayed (extra loads, the chains' node fit's forecast of them) of its cycles.
     ``cycle``: cycles started; ``explored_at`` / ``interval``: the last exploration and
     the cycles until the next; ``exploring`` / ``explore_left``: the kind of the burst
     under way and its cycles left; ``best_before``: the best kind when it started;
@@ -181,10 +182,13 @@ class DraftingMeasurements:
     node_xty: np.ndarray = field(default_factory=lambda: np.zeros(2))
     node_loads: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0]))  # fitted (a, b)
     start_loads: float | None = None  # mean root loads of a call's first cycles (a call starts cold)
-    tree_node_sums: tuple[float, float] = (0.0, 0.0)  # decayed (extra loads, chain-fit forecast) of tree cycles
+    own_node_sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (extra loads, forecast)
     call_cycle: int = 0  # cycles observed in the current call
     depth_fast: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))  # [accepted, tried] per depth
     depth_slow: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
+    lookup: LookupAcceptance = field(default_factory=LookupAcceptance)  # of prompt-lookup proposals
+    # [context, accepted / tried, depth]: chain outcomes by the lookup proposal the cycle had (lookup_context)
+    depth_context: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2, _MAX_CHAIN)))
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -204,6 +208,7 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     return per_key.setdefault(key, fresh)
 
 
+LOOKUP = "lookup"  # a cycle verifying a prompt-lookup chain (no draft forward; not ranked: chosen per cycle)
 _MAX_CHAIN = 7  # longest fixed chain the gate ranks (GSM8K's best static chain is the deepest tried up to 7)
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
@@ -219,8 +224,11 @@ _NODE_RIDGE = 1.0  # pseudo-observations pulling (a, b) toward (0, 1): a node lo
 _DEPTH_FAST = 0.05  # per-cycle forgetting of the recent per-depth acceptance (~20 cycles: the text's phase)
 _DEPTH_SLOW = 0.01  # ... of the long-run one, which stands in where recent cycles did not reach a depth
 _DEPTH_PRIOR = 2.0  # pseudo-trials of the long-run acceptance added to the recent counts
-_TREE_NODE_PRIOR = 2.0  # pseudo-loads: before tree cycles, its nodes load what a chain's do
+_OWN_NODE_PRIOR = 2.0  # pseudo-loads: before a tree's (or lookup chain's) cycles, its nodes load what a chain's do
+_OWN_NODE_KINDS = ("tree", LOOKUP)  # kinds whose verified nodes are priced by their own loads against the chain fit
 _REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
+_CONTEXT_DECAY = 0.005  # per-cycle forgetting of the chains' acceptance by lookup context (~200 cycles)
+_CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added to a context's counts
 
 
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
@@ -306,8 +314,7 @@ class DraftingGate:
         sums = state.sums
         m = state.root_loads or 0.0
         per_node = self._node_extra_loads(m)  # a node's extra loads now
-        loaded, forecast = state.tree_node_sums
-        tree_factor = (loaded + _TREE_NODE_PRIOR) / (forecast + _TREE_NODE_PRIOR)  # the tree picks cheaper nodes
+        tree_factor = self.node_factor("tree")  # the tree picks cheaper nodes
         chain_tokens = self.chain_tokens()
         ct = None if chain_tokens is None else chain_tokens.tolist()
         t_expert = state.t_expert
@@ -363,6 +370,22 @@ class DraftingGate:
         """Extra loads of a verified chain node at root-loads mean ``m`` (the fit ``a + b m``)."""
         a, b = self.state.node_loads
         return float(a + b * m)
+
+    def node_factor(self, kind: str) -> float:
+        """What ``kind``'s verified nodes load against a drafted chain's (1 for the chains themselves)."""
+        if kind not in _OWN_NODE_KINDS:
+            return 1.0
+        loaded, forecast = self.state.own_node_sums.get(kind, (0.0, 0.0))
+        return (loaded + _OWN_NODE_PRIOR) / (forecast + _OWN_NODE_PRIOR)
+
+    def node_seconds(self, kind: str = LOOKUP) -> float | None:
+        """Seconds one more verified token of ``kind`` costs now: its compute and the experts it adds
+        (``None`` before the verification fit exists)."""
+        verify = self.state.verify.last_fit if self.state.verify is not None else None
+        if verify is None:
+            return None
+        extra = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
+        return verify.t_token + self.state.t_expert * extra
 
     def ranked_figures(self) -> dict[str, tuple[float, float]]:
         """:meth:`cycle_figures` as of the last ranking (a running kind's forecast between rankings)."""
@@ -468,13 +491,36 @@ class DraftingGate:
             state.exploring = None
         return best
 
-    def record_depth(self, depth: int, accepted: bool) -> None:
-        """One outcome of a chain's ``depth``-th token whose predecessors were accepted (verified or probed)."""
+    def record_depth(self, depth: int, accepted: bool, context: int | None = None) -> None:
+        """One outcome of a chain's ``depth``-th token whose predecessors were accepted (verified or probed);
+        ``context``: the lookup context of the cycle the chain started in (:func:`~.lookup.lookup_context`)."""
         if 1 <= depth <= _MAX_CHAIN:
-            for sums in (self.state.depth_fast, self.state.depth_slow):
-                sums[0, depth - 1] += float(accepted)
-                sums[1, depth - 1] += 1.0
+            sums = [self.state.depth_fast, self.state.depth_slow]
+            if context is not None:
+                sums.append(self.state.depth_context[context])
+            for s in sums:
+                s[0, depth - 1] += float(accepted)
+                s[1, depth - 1] += 1.0
             self.state.version += 1
+
+    def context_trials(self, context: int) -> float:
+        """Decayed count of chain cycles whose first token was tried in lookup context ``context``."""
+        return float(self.state.depth_context[context, 1, 0])
+
+    def chain_tokens_in(self, context: int) -> np.ndarray | None:
+        """:meth:`chain_tokens` where the cycle's lookup proposal is of ``context``.
+
+        A chain's acceptance follows the text, and so does a lookup proposal's: where the context
+        repeats a long span, a draft model accepts more too (GSM8K, 4090 twin: ~5.7 tokens per
+        chain cycle after an 8-gram repeat of the answer, ~3.6 where nothing repeats).  Each
+        context's counts are shrunk toward the overall acceptance of each depth.
+        """
+        p = self.depth_acceptance()
+        if p is None:
+            return None
+        counts = self.state.depth_context[context]
+        q = (counts[0] + _CONTEXT_PRIOR * p) / (counts[1] + _CONTEXT_PRIOR)
+        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
 
     def _regret(self, kind: str, best: str) -> float:
         """Cycles of ``best`` whose tokens one cycle of ``kind`` costs (0 for a kind not measured yet)."""
@@ -506,7 +552,7 @@ class DraftingGate:
 
     def observe(self, kind: str, tokens: int, seconds: float, loads: int | None = None,
                 root_loads: int | None = None, t_expert: float = 0.0, nodes: int = 0,
-                accepted: int | None = None) -> None:
+                accepted: int | None = None, context: int | None = None) -> None:
         """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
@@ -514,8 +560,8 @@ class DraftingGate:
         loads then teach neither the root mean nor the node fit);
         ``t_expert``: seconds per load (the cost model's);
         ``nodes``: draft nodes verified; ``accepted``: of those, the ones accepted (a chain
-        cycle's acceptance feeds :meth:`depth_acceptance`).  Without ``loads`` the cycle
-        counts with its transfers in its seconds.
+        cycle's acceptance feeds :meth:`depth_acceptance`, and :meth:`chain_tokens_in` its
+        lookup ``context``).  Without ``loads`` the cycle counts with its transfers in its seconds.
         """
         state = self.state
         if loads is not None:
@@ -524,13 +570,14 @@ class DraftingGate:
             state.call_cycle += 1
             if not nodes or root_loads is not None:  # the root's own loads are known
                 root = loads if not nodes else min(root_loads, loads)
-                if nodes and kind == "tree":
-                    # the tree verifies the nodes whose experts are cached: its nodes load less than a
-                    # chain's; what they loaded against what the chains' fit says a node loads
-                    loaded, forecast = state.tree_node_sums
+                if nodes and kind in _OWN_NODE_KINDS:
+                    # the tree verifies the nodes whose experts are cached, and a lookup chain repeats
+                    # text whose experts were used lately: their nodes load less than a drafted chain's;
+                    # what they loaded against what the chains' fit says a node loads
+                    loaded, forecast = state.own_node_sums.get(kind, (0.0, 0.0))
                     expected = nodes * self._node_extra_loads(state.root_loads or 0.0)
-                    state.tree_node_sums = (_NODE_DECAY * loaded + float(loads - root),
-                                            _NODE_DECAY * forecast + expected)
+                    state.own_node_sums[kind] = (_NODE_DECAY * loaded + float(loads - root),
+                                                 _NODE_DECAY * forecast + expected)
                 elif nodes:
                     # the nodes' loads beyond the root's, against the root mean when they ran
                     x = float(nodes) * np.array([1.0, state.root_loads or 0.0])
@@ -550,10 +597,11 @@ class DraftingGate:
         state.sums[kind] = _decayed_add(state.sums.get(kind), cycle, _KIND_EMA)
         state.depth_fast *= 1 - _DEPTH_FAST
         state.depth_slow *= 1 - _DEPTH_SLOW
-        if kind != "tree" and accepted is not None and nodes:  # a chain, or a probe's verified chain
+        state.depth_context *= 1 - _CONTEXT_DECAY
+        if kind not in ("tree", LOOKUP) and accepted is not None and nodes:  # a chain, or a probe's verified chain
             # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
             for d in range(1, min(accepted + 1, nodes, _MAX_CHAIN) + 1):
-                self.record_depth(d, d <= accepted)
+                self.record_depth(d, d <= accepted, context)
         state.counts[kind] = state.counts.get(kind, 0) + 1
         state.version += 1
         state.last_run[kind] = state.cycle

@@ -75,6 +75,13 @@ class SpecFitOptions:
     share_drafting: bool = True
     """Keep drafting rates and costs across calls with the same offload runtime and draft."""
 
+    lookup_tokens: int = 10
+    """The longest prompt-lookup chain a cycle may verify (0: none).  Every cycle the context's
+    longest repeated suffix proposes what followed it before; that chain costs no draft
+    forward, and the cycle verifies its throughput-optimal prefix instead of the gate's choice
+    (a plain step or a chain of 1-2 levels) when its predicted rate is higher
+    (:mod:`~specfit_hf.selection.lookup`)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.cost, Mapping):
             object.__setattr__(self, "cost", _cost_model(self.cost))
@@ -83,6 +90,8 @@ class SpecFitOptions:
                              f"got {self.expert_predictor!r}")
         if self.max_nodes is not None and self.max_nodes < 1:
             raise ValueError(f"policy_kwargs['max_nodes'] must be >= 1 or None, got {self.max_nodes}")
+        if self.lookup_tokens < 0:
+            raise ValueError(f"policy_kwargs['lookup_tokens'] must be >= 0, got {self.lookup_tokens}")
         if self.explore_every < 1 or self.max_explore_every < 1:
             raise ValueError("policy_kwargs['explore_every'] and ['max_explore_every'] must be >= 1")
         _check_calibrator_args(self.acceptance)

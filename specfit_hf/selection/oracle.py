@@ -28,6 +28,10 @@ __all__ = ["OraclePolicy"]
 class OraclePolicy(SpecFitPolicy):
     """Upper bound on selection (see the module docstring); without a probe it raises."""
 
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.lookup_tokens = 0  # it verifies the drafted tree only: no prompt-lookup proposals
+
     def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
         """Draft to ``max_depth``, then the optimum under the true acceptance and routing."""
         if self.costs is None:

@@ -11,7 +11,8 @@ The generation loop calls a policy in three places of every cycle:
   :class:`~specfit_hf.tree.CycleRecord`), so a policy can refine its estimates online.
 
 Policies are looked up by name (``SpecFitConfig(policy=...)``) in a small registry:
-``eagle3`` and ``autoregressive`` here, ``specfit`` (throughput-optimal subtree, exact
+``eagle3``, ``autoregressive`` and ``lookup`` (prompt lookup decoding) here, ``specfit``
+(throughput-optimal subtree, exact
 search) in :mod:`.specfit`, ``oracle`` (benchmark upper bound) in :mod:`.oracle`.  A
 policy that takes ``policy_kwargs`` names a frozen dataclass of options
 (``options_class``); :func:`validate_policy` checks a name and its kwargs, which
@@ -37,6 +38,7 @@ __all__ = [
     "available_policies",
     "Eagle3Policy",
     "AutoregressivePolicy",
+    "PromptLookupPolicy",
 ]
 
 
@@ -49,6 +51,9 @@ class SelectionPolicy:
 
     name: str = ""
     options_class: type | None = None
+    #: The longest prompt-lookup chain the policy may verify (0: it takes no proposals, and the
+    #: loop keeps no n-gram index of the context).
+    lookup_tokens: int = 0
 
     def __init__(self, config: GenerationConfig) -> None:
         self.config = config
@@ -143,3 +148,19 @@ class AutoregressivePolicy(SelectionPolicy):
 
     def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
         return Selection(nodes=torch.empty(0, dtype=torch.long), expected_tokens=1.0, stop=True)
+
+
+@register_policy("lookup")
+class PromptLookupPolicy(SelectionPolicy):
+    """Prompt lookup decoding through the same loop and cache: verify the whole proposal (the
+    continuation of the context's longest repeated suffix, up to ``max_depth`` tokens) whenever
+    there is one, else a plain step.  The draft model is never run."""
+
+    def __init__(self, config: GenerationConfig) -> None:
+        super().__init__(config)
+        self.lookup_tokens = max(int(getattr(config, "max_depth", 7)), 1)
+
+    def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
+        if ctx.lookup is None or not ctx.lookup.tokens:
+            return Selection(nodes=torch.empty(0, dtype=torch.long), expected_tokens=1.0, stop=True)
+        return Selection(nodes=torch.arange(len(ctx.lookup.tokens)), stop=True, lookup=True)

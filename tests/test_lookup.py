@@ -1,0 +1,238 @@
+"""Prompt lookup: the n-gram index, its proposals, the acceptance learnt from committed tokens,
+the optimal prefix, and lossless generation with lookup chains (greedy and sampled)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from specfit_hf.generation import SpecFitConfig
+from specfit_hf.generation.lookup import PromptLookup
+from specfit_hf.selection.lookup import LookupAcceptance, best_lookup_prefix
+from specfit_hf.testing import tiny_draft, tiny_llama, tiny_qwen3_moe, tiny_target
+from specfit_hf.tree import DraftTree, LookupProposal, VerifyResult
+
+
+def _brute_force_proposal(seq: list[int], max_ngram: int, max_tokens: int, prompt_len: int = 0) -> LookupProposal | None:
+    """The definition, spelled out: longest suffix with an earlier occurrence, its latest one."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        suffix = seq[len(seq) - n:]
+        for start in range(len(seq) - n - 1, -1, -1):  # occurrences that end before the last token
+            if seq[start:start + n] == suffix:
+                return LookupProposal(tuple(seq[start + n:start + n + max_tokens]), n, start + n < prompt_len)
+    return None
+
+
+def test_proposal_is_the_continuation_of_the_latest_longest_match():
+    lookup = PromptLookup(max_ngram=3, max_tokens=4)
+    lookup.start([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 1, 2], prompt_len=9)
+    # suffix [1, 2] occurred at 1 and 6; the latest (6) is followed by 3, 7, 1, 2 (3 is in the prompt)
+    assert lookup.propose() == LookupProposal((3, 7, 1, 2), 2, from_prompt=True)
+    lookup.extend([3])
+    # now [1, 2, 3] matches (twice): the latest continuation is 7, 1, 2, 3 (generated)
+    assert lookup.propose() == LookupProposal((7, 1, 2, 3), 3, from_prompt=False)
+    lookup.extend([4])
+    assert lookup.propose() is None  # 4 never occurred before
+    assert len(lookup) == 14
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_index_matches_the_definition(seed):
+    g = np.random.default_rng(seed)
+    seq = g.integers(0, 4 + seed, size=60).tolist()
+    lookup = PromptLookup(max_ngram=4, max_tokens=5)
+    lookup.start(seq[:3])
+    for i in range(3, len(seq)):
+        assert lookup.propose() == _brute_force_proposal(seq[:i], 4, 5, prompt_len=3), i
+        lookup.extend(seq[i:i + 1])
+
+
+def test_bad_lookup_settings_are_errors():
+    with pytest.raises(ValueError, match="max_ngram"):
+        PromptLookup(max_ngram=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        PromptLookup(max_tokens=0)
+
+
+def test_proposal_tree_is_a_point_mass_chain():
+    tree = LookupProposal((4, 5, 6), 2).tree(root_token=3, length=2)
+    assert tree.source == "lookup" and tree.root_token == 3 and tree.num_levels == 2
+    assert tree.tokens.tolist() == [4, 5] and tree.parents.tolist() == [-1, 0] and tree.depths.tolist() == [1, 2]
+    assert tree.draft_probs.tolist() == [1.0, 1.0] and tree.path_probs.tolist() == [1.0, 1.0]
+    assert tree.subtree([0]).source == "lookup"
+    assert len(LookupProposal((), 1).tree(3)) == 0
+
+
+def test_acceptance_follows_proposals_over_cycles():
+    acc = LookupAcceptance(max_ngram=4, max_depth=8)
+    before = acc.acceptance(2, 3).copy()
+    # proposal (n = 2) of three tokens: the first cycle commits two of them, the next the third
+    acc.observe(LookupProposal((7, 8, 9), 2), [7, 8])
+    acc.observe(None, [9, 1])
+    accepted, tried = acc.counts
+    np.testing.assert_allclose(tried[1, :3], [0.99, 0.99, 1.0])  # one cycle of decay on the first two
+    np.testing.assert_allclose(accepted[1, :3], [0.99, 0.99, 1.0])
+    assert tried[1, 3:].sum() == 0 and tried[[0, 2, 3]].sum() == 0  # the proposal ended; other rows untouched
+    assert (acc.acceptance(2, 3) > before).all()
+    # a miss at depth 2 ends the proposal there: depth 3 is never tried
+    acc.observe(LookupProposal((7, 5, 9), 9), [7, 8, 9])
+    accepted, tried = acc.counts
+    assert tried[3, :3].tolist() == [1.0, 1.0, 0.0] and accepted[3, :2].tolist() == [1.0, 0.0]
+    assert acc.acceptance(4, 12).shape == (12,)
+    # a proposal copied from the prompt is counted apart from one copied from the generated text
+    acc.observe(LookupProposal((4,), 1, from_prompt=True), [4])
+    assert acc.counts[1, 4, 0] == 1.0 and acc.counts[1, 0, 0] == 0.0
+    assert acc.acceptance(1, 1, from_prompt=True)[0] > acc.acceptance(1, 1)[0]
+
+
+def test_acceptance_prefers_longer_matches_once_measured():
+    acc = LookupAcceptance(max_ngram=4, max_depth=4)
+    g = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(g.integers(1, 5))
+        right = g.random() < 0.2 * n  # longer matches are right more often
+        acc.observe(LookupProposal((1,), n), [1 if right else 2])
+    q = [float(acc.acceptance(n, 1)[0]) for n in (1, 2, 3, 4)]
+    assert q == sorted(q) and q[0] < 0.35 and q[3] > 0.65
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_prefix_is_the_throughput_optimum(seed):
+    g = np.random.default_rng(seed)
+    q = g.random(int(g.integers(1, 9)))
+    root, node = float(g.uniform(0.5, 2.0)), float(g.uniform(0.01, 1.5))
+    h, expected, seconds = best_lookup_prefix(q, root, node)
+    rates = [(1 + sum(np.prod(q[:j + 1]) for j in range(k))) / (root + k * node) for k in range(1, q.size + 1)]
+    assert h == 1 + int(np.argmax(rates))
+    assert expected / seconds == pytest.approx(max(rates))
+    with pytest.raises(ValueError):
+        best_lookup_prefix(np.array([]), 1.0, 1.0)
+
+
+def _looping_prompts(vocab: int, count: int, seed: int) -> list[torch.Tensor]:
+    """Prompts that repeat a short random pattern: a random target continues them partly in kind,
+    so the context keeps offering lookup chains that are sometimes right."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        pattern = torch.randint(0, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
+        out.append(pattern.repeat(int(torch.randint(2, 5, (1,), generator=g)))[None])
+    return out
+
+
+@pytest.mark.parametrize("policy,tree", [("lookup", {"max_depth": 1}), ("lookup", {"max_depth": 5}),
+                                         ("specfit", {"max_depth": 4, "tree_top_k": 3})])
+def test_greedy_with_lookup_chains_matches_generate(policy, tree):
+    torch.set_num_threads(1)
+    target = tiny_qwen3_moe(0)
+    draft = tiny_llama(7, layers=1)
+    lookup_tokens = 0
+    for ids in _looping_prompts(target.config.vocab_size, 12, seed=3):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+        cfg = SpecFitConfig(policy=policy, max_new_tokens=20, do_sample=False, return_dict_in_generate=True, **tree)
+        out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+        assert torch.equal(out.sequences, ref), (policy, tree, ids.tolist())
+        lookup_tokens += sum(c.tokens_accepted for c in out.cycles)
+    if policy == "lookup":
+        assert lookup_tokens > 10  # lookup chains were verified and accepted, not only plain steps
+
+
+def test_lookup_policy_verifies_the_proposal_and_never_drafts():
+    torch.set_num_threads(1)
+    target = tiny_llama(3)
+    draft = tiny_llama(7, layers=1)
+    ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]])
+    cfg = SpecFitConfig(policy="lookup", max_depth=3, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+    assert all(c.draft_seconds == 0 and c.levels_drafted == 0 for c in out.cycles)
+    seq = out.sequences[0].tolist()
+    end = ids.shape[1] + 1  # the context of the first cycle ends with the prefill's token
+    for cycle in out.cycles:
+        proposal = _brute_force_proposal(seq[:end], 8, 3)
+        assert cycle.nodes_verified == (0 if proposal is None else len(proposal.tokens))
+        end += cycle.tokens_committed
+    assert sum(c.nodes_verified for c in out.cycles) > 0
+
+
+def test_eagle3_drafter_commits_a_lookup_chain_as_read_later():
+    """After a lookup cycle the EAGLE-3 draft reads the root and the accepted tokens with the next
+    tree, exactly as if they had come from plain steps."""
+    target = tiny_target()
+    vocab = target.config.vocab_size
+    a, b = tiny_draft(), tiny_draft()
+    drafters = [d.make_tree_drafter(target, type("C", (), {"tree_top_k": 3})()) for d in (a, b)]
+    idx = drafters[0].target_feature_indices
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(2))
+    tokens = [3, 11, 12, 5]  # root, two accepted lookup tokens, the bonus
+
+    def features(seq):
+        with torch.no_grad():
+            out = target(input_ids=seq, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i] for i in idx], dim=-1)
+
+    feats = features(torch.cat([prompt, torch.tensor([tokens[:3]])], 1))
+    for d in drafters:
+        d.start(prompt, feats[:, :prompt.shape[1]])
+    # drafter 0: one lookup cycle accepting two tokens; drafter 1: three plain steps
+    chain = LookupProposal((11, 12, 13), 3).tree(tokens[0])
+    drafters[0].commit(chain, VerifyResult([0, 1], [0, 1, 2], tokens[1:], tokens[3]), feats[:, -3:])
+    for i in range(3):
+        drafters[1].commit(DraftTree(tokens[i]), VerifyResult([], [0], [tokens[i + 1]], tokens[i + 1]),
+                           feats[:, prompt.shape[1] + i:prompt.shape[1] + i + 1])
+    trees = []
+    for d in drafters:
+        tree = DraftTree(tokens[3])
+        for _ in range(2):
+            d.draft_level(tree)
+        trees.append(tree)
+    assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+    torch.testing.assert_close(trees[0].draft_probs, trees[1].draft_probs)
+    drafters[0].commit(trees[0], VerifyResult([], [0], [6], 6), feats[:, -1:])
+    foreign = DraftTree(6)  # a drafted tree this drafter did not grow: accepting its nodes is an error
+    foreign.add_level(torch.tensor([1]), torch.tensor([-1]), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="never expanded"):
+        drafters[0].commit(foreign, VerifyResult([0], [0, 1], [1, 2], 2), feats[:, :2])
+
+
+def test_specfit_learns_lookup_acceptance_from_every_cycle():
+    """The specfit policy compares each cycle's proposal with the committed tokens (plain cycles too)."""
+    from specfit_hf.clock import simulated
+    from specfit_hf.selection import SpecFitPolicy
+
+    torch.set_num_threads(1)
+    target = tiny_llama(3)
+    draft = tiny_llama(7, layers=1)
+    seen = []
+    original = SpecFitPolicy.observe
+
+    def spy(self, tree, selection, result, record):
+        original(self, tree, selection, result, record)
+        seen.append(float(self.gate.state.lookup.counts[1].sum()))
+
+    SpecFitPolicy.observe = spy
+    try:
+        ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]])
+        cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, max_depth=3, tree_top_k=2,
+                            policy_kwargs={"share_drafting": False})
+        with simulated():
+            target.generate(ids, assistant_model=draft, generation_config=cfg)
+    finally:
+        SpecFitPolicy.observe = original
+    assert seen and seen[-1] > 0  # proposals were tried against committed tokens
+
+
+def test_lookup_tokens_option_is_checked():
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        SpecFitConfig(policy_kwargs={"lookup_tokens": -1})
+    assert SpecFitConfig(policy_kwargs={"lookup_tokens": 0}).policy_kwargs == {"lookup_tokens": 0}
+
+
+def test_every_short_pattern_proposes_like_the_definition():
+    """Exhaustive over all sequences of length 7 on 3 symbols (2,187 contexts)."""
+    for seq in itertools.product(range(3), repeat=7):
+        lookup = PromptLookup(max_ngram=3, max_tokens=3)
+        lookup.start(seq)
+        assert lookup.propose() == _brute_force_proposal(list(seq), 3, 3, prompt_len=7), seq
