@@ -1,4 +1,4 @@
-"""The main job: SpecFit next to plain decoding, the best static tree and EAGLE-3 on the embedded pair.
+"""The main job: SpecFit next to plain decoding, the best static tree, prompt lookup and EAGLE-3 on the embedded pair.
 
     bash scripts/demo.sh            # or: python -m specfit_hf.demo [--prompts 2] [--max-new-tokens 64]
     python -m specfit_hf.demo --twin qwen3-30b-a3b@rtx4090-pcie4   # also on a modeled GPU timeline
@@ -15,7 +15,8 @@ The "best static tree" is tuned like ``specfit bench``'s ``static-best``: every 
 the static family (chains of depth 1-7, two small trees, EAGLE-3's 60/7/10) runs on
 ``--tune-prompts`` other prompts of the dataset and the fastest in decode tok/s is kept.
 With ``--tune-prompts 0`` it is a fixed depth-2 chain (the best fixed chain measured on this
-host in issue 13).
+host in issue 13).  "prompt lookup" is prompt lookup decoding (transformers'
+``prompt_lookup_num_tokens``) with 2-token proposals, its best length on this pair.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .cli import _add_link_timing_arg
 
 __all__ = ["main"]
 
-DEMO_POLICIES = ("autoregressive", "static-best", "eagle3", "specfit")
+DEMO_POLICIES = ("autoregressive", "static-best", "lookup:d2", "eagle3", "specfit")
 FIXED_STATIC = "static:d2k1n2"
 _NAMES = {"autoregressive": "plain decoding", "eagle3": "EAGLE-3 tree 60/7/10", "specfit": "SpecFit"}
 
@@ -39,6 +40,8 @@ def _policy_name(row: dict[str, Any]) -> str:
         return f"best static {row['static_best_shape'][7:]}"
     if row["policy"].startswith("static:"):
         return f"static tree {row['policy'][7:]}"
+    if row["policy"].startswith("lookup:"):
+        return f"prompt lookup, {row['policy'][8:]} tokens"
     return _NAMES.get(row["policy"], row["policy"])
 
 

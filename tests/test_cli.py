@@ -64,8 +64,8 @@ def test_demo_prints_decode_rate_ttft_and_an_answer(capsys):
         pytest.skip("shared data not present")
     out = capsys.readouterr().out
     assert rc == 0
-    for words in ("decode tok/s", "first token", "plain decoding", "static tree d2k1n2", "EAGLE-3", "SpecFit",
-                  "One answer", "answer:"):
+    for words in ("decode tok/s", "first token", "plain decoding", "static tree d2k1n2", "prompt lookup, 2 tokens",
+                  "EAGLE-3", "SpecFit", "One answer", "answer:"):
         assert words in out
     assert "EmulatedLink(" not in out and "OffloadRuntime(" not in out  # no raw reprs
 
