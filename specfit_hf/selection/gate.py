@@ -285,6 +285,11 @@ class DraftingGate:
         self._chain_tokens: tuple[int, np.ndarray | None] | None = None
         state.exploring, state.explore_left = None, 0
 
+    @property
+    def chain_depths(self) -> list[tuple[str, int]]:
+        """``(kind, levels)`` of every fixed chain the gate ranks."""
+        return self._chain_depths
+
     def start_call(self) -> None:
         """A ``generate`` call starts: its first cycles load what earlier calls' first cycles did.
 

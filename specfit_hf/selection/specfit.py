@@ -253,12 +253,13 @@ class SpecFitPolicy(SelectionPolicy):
         """The prompt-lookup chain's best prefix, if it beats the kind the gate chose (``None`` otherwise).
 
         A lookup chain costs a plain step plus its verified tokens (no draft forward); its tokens
-        come from the acceptance of lookup proposals after a match of this length.  It is compared
-        with the gate's kind as last ranked, with a chain's tokens taken at the acceptance chains
-        have in this class of proposal: where the context repeats itself the draft is right more
-        often too, and comparing with its average would hand the lookup the very cycles where the
-        draft does best.  A class where chains have hardly run yet runs the gate's kind (that
-        measures it); so do an exploration and a kind not measured yet.
+        come from the acceptance of lookup proposals after a match of this length.  It must beat the
+        gate's kind as last ranked and every fixed chain with its tokens taken at the acceptance
+        chains have in this class of proposal: where the context repeats itself the draft is right
+        more often too (and a deeper chain than the gate's average choice may pay there), so
+        comparing with the chains' average would hand the lookup the very cycles where the draft
+        does best.  A class where chains have hardly run yet runs the gate's kind (that measures
+        it); so do an exploration and a kind not measured yet.
 
         It replaces plain steps and chains of at most :data:`_LOOKUP_REPLACES` levels only.  Where
         the gate runs deeper chains or the tree, the draft accepts most of what repeats anyway
@@ -280,15 +281,20 @@ class SpecFitPolicy(SelectionPolicy):
         if node_seconds is None or figures is None:
             return None
         tokens, kind_seconds = figures
-        if kind != "plain":
-            if gate.context_trials(self._context) < _CONTEXT_TRIALS:
-                return None
-            overall, here = gate.chain_tokens(), gate.chain_tokens_in(self._context)
-            if overall is not None and here is not None:
-                tokens *= float(here[kind_depth(kind)] / overall[kind_depth(kind)])
+        rate = tokens / max(kind_seconds, 1e-12)
+        if kind != "plain" and gate.context_trials(self._context) < _CONTEXT_TRIALS:
+            return None
+        here = gate.chain_tokens_in(self._context)
+        if here is not None:
+            # the best chain at this class's acceptance: where the text repeats, a deeper chain than
+            # the one the gate chose on average may be the better bet, and the lookup must beat it
+            ranked = gate.ranked_figures()
+            for chain, depth in gate.chain_depths:
+                if chain in ranked:
+                    rate = max(rate, float(here[depth]) / max(ranked[chain][1], 1e-12))
         q = state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt)
         h, expected, seconds = best_lookup_prefix(q, gate.plain_figures()[1], node_seconds)
-        if expected * kind_seconds <= tokens * seconds:  # E / T no higher than the chosen kind's rate here
+        if expected <= rate * seconds:  # E / T no higher than the best kind's rate here
             return None
         return Selection(nodes=_prefix(h), expected_tokens=expected, predicted_time=seconds,
                          throughput=expected / max(seconds, 1e-12), stop=True, lookup=True)
