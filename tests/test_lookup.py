@@ -236,3 +236,56 @@ def test_every_short_pattern_proposes_like_the_definition():
         lookup = PromptLookup(max_ngram=3, max_tokens=3)
         lookup.start(seq)
         assert lookup.propose() == _brute_force_proposal(list(seq), 3, 3, prompt_len=7), seq
+
+
+def _policy_with_measurements(chain_accepts: dict[int, bool]):
+    """A specfit policy whose gate has measured plain steps (10 ms) and 2-level chains (12 ms), the chains
+    accepted whole in the lookup classes that ``chain_accepts`` marks True and rejected in the others."""
+    from specfit_hf.selection import SpecFitPolicy
+    from specfit_hf.tree import CycleContext
+
+    cfg = SpecFitConfig(policy="specfit", max_depth=4, tree_top_k=2,
+                        policy_kwargs={"share_drafting": False, "share_acceptance": False})
+    policy = SpecFitPolicy(cfg)
+    policy.reset(CycleContext(target=None, config=cfg))
+    gate = policy.gate
+    for _ in range(30):
+        gate.observe("plain", 1, 0.010)
+        for context, right in chain_accepts.items():
+            gate.observe("chain:2", 3 if right else 1, 0.012, nodes=2, accepted=2 if right else 0, context=context)
+    return policy
+
+
+def test_lookup_chain_replaces_a_plain_step_only_when_it_pays():
+    from specfit_hf.selection.lookup import lookup_context
+
+    proposal = LookupProposal((5, 6, 7, 8), ngram=8)
+    policy = _policy_with_measurements({})
+    policy._kind, policy._context = "plain", lookup_context(proposal)
+    for _ in range(50):  # lookup proposals after 8-gram matches are always right
+        policy.gate.state.lookup.observe(proposal, [5, 6, 7, 8])
+    chain = policy._lookup_cycle(proposal)
+    assert chain is not None and chain.lookup and chain.nodes.tolist() == list(range(len(chain.nodes)))
+    assert chain.throughput > 1 / 0.010  # predicted faster than a plain step
+    for _ in range(300):  # ... and then never
+        policy.gate.state.lookup.observe(proposal, [9, 9, 9, 9])
+    assert policy._lookup_cycle(proposal) is None
+    policy._kind = "chain:3"  # deeper drafted chains are never replaced
+    assert policy._lookup_cycle(LookupProposal((5, 6, 7, 8), ngram=8)) is None
+
+
+def test_lookup_chain_must_beat_the_draft_where_the_text_repeats():
+    """Where chains accept everything after this class of match, a lookup chain does not replace them."""
+    from specfit_hf.selection.lookup import lookup_context
+
+    strong, weak = LookupProposal((5, 6), ngram=8), LookupProposal((5, 6), ngram=1)
+    c_strong, c_weak = lookup_context(strong), lookup_context(weak)
+    decisions = {}
+    for context, proposal in ((c_strong, strong), (c_weak, weak)):
+        policy = _policy_with_measurements({c_strong: True, c_weak: False})
+        for _ in range(50):  # both proposals are right half the time
+            policy.gate.state.lookup.observe(proposal, [5, 6] if _ % 2 else [9, 9])
+        policy._kind, policy._context = "chain:2", context
+        decisions[context] = policy._lookup_cycle(proposal)
+    assert decisions[c_strong] is None  # the draft's chain is right every time here
+    assert decisions[c_weak] is not None and decisions[c_weak].lookup  # here it never is
