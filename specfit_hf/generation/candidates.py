@@ -258,13 +258,12 @@ class TreeCandidateGenerator(CandidateGenerator):
         candidates = self.propose(int(input_ids[0, -1]), input_ids.shape[1] - 1)
         return torch.cat([input_ids, candidates.input_ids[:, 1:].to(input_ids.device)], dim=1), None
 
-    def commit(self, candidates: TreeCandidates, result: VerifyResult, target_features: torch.Tensor | None,
-               committed: list[int] | None = None) -> None:
-        """Tell the drafter which path was accepted (its cache keeps only that path), and the lookup
-        the ``committed`` tokens (default: all of ``result.new_tokens``)."""
+    def commit(self, candidates: TreeCandidates, result: VerifyResult, target_features: torch.Tensor | None) -> None:
+        """Tell the drafter which path was accepted (its cache keeps only that path), and the lookup the
+        committed tokens (generation goes on, so none were cut by a stop rule)."""
         self.drafter.commit(candidates.tree, result, target_features)
         if self.lookup is not None:
-            self.lookup.extend(result.new_tokens if committed is None else committed)
+            self.lookup.extend(result.new_tokens)
 
     def observe(self, candidates: TreeCandidates, result: VerifyResult, record: CycleRecord) -> None:
         """Let the policy learn from the cycle's outcome."""

@@ -276,7 +276,7 @@ def tree_speculative_decoding(
                 if block_features is not None and len(result.accepted_positions) < block_features.shape[1]:
                     rows = torch.tensor(result.accepted_positions, dtype=torch.long)
                     commit_features = block_features[:, rows.to(block_features.device)]
-                candidate_generator.commit(candidates, result, commit_features, new_tokens)
+                candidate_generator.commit(candidates, result, commit_features)
 
             record = CycleRecord(
                 nodes_drafted=len(candidates.tree),

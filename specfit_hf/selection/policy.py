@@ -12,9 +12,8 @@ The generation loop calls a policy in three places of every cycle:
 
 Policies are looked up by name (``SpecFitConfig(policy=...)``) in a small registry:
 ``eagle3``, ``autoregressive`` and ``lookup`` (prompt lookup decoding) here, ``specfit``
-(throughput-optimal subtree, exact
-search) in :mod:`.specfit`, ``oracle`` (benchmark upper bound) in :mod:`.oracle`.  A
-policy that takes ``policy_kwargs`` names a frozen dataclass of options
+(throughput-optimal subtree, exact search) in :mod:`.specfit`, ``oracle`` (benchmark upper
+bound) in :mod:`.oracle`.  A policy that takes ``policy_kwargs`` names a frozen dataclass of options
 (``options_class``); :func:`validate_policy` checks a name and its kwargs, which
 ``SpecFitConfig`` does when it is built.
 """

@@ -277,7 +277,8 @@ class SpecFitPolicy(SelectionPolicy):
         if kind != "plain" and not (kind.startswith("chain:") and kind_depth(kind) <= _LOOKUP_REPLACES):
             return None
         node_seconds = gate.node_seconds()
-        figures = gate.plain_figures() if kind == "plain" else gate.ranked_figures().get(kind)
+        plain = gate.plain_figures()
+        figures = plain if kind == "plain" else gate.ranked_figures().get(kind)
         if node_seconds is None or figures is None:
             return None
         tokens, kind_seconds = figures
@@ -293,7 +294,7 @@ class SpecFitPolicy(SelectionPolicy):
                 if chain in ranked:
                     rate = max(rate, float(here[depth]) / max(ranked[chain][1], 1e-12))
         q = state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt)
-        h, expected, seconds = best_lookup_prefix(q, gate.plain_figures()[1], node_seconds)
+        h, expected, seconds = best_lookup_prefix(q, plain[1], node_seconds)
         if expected <= rate * seconds:  # E / T no higher than the best kind's rate here
             return None
         return Selection(nodes=_prefix(h), expected_tokens=expected, predicted_time=seconds,
