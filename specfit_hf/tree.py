@@ -268,6 +268,10 @@ class CycleRecord:
             (``nan`` when the policy does not model them).
         source: what the verified nodes came from: ``"draft"`` (the draft model, or none
             verified) or ``"lookup"`` (a prompt-lookup chain).
+        row_experts / row_loads: per verified row (the root, then the nodes in block order),
+            summed over layers, the distinct experts that row was the first of the block to
+            route to, and the loads among them (``None`` without a runtime).  In a chain,
+            what each depth brought that the tokens before it had not.
     """
 
     nodes_drafted: int
@@ -284,6 +288,8 @@ class CycleRecord:
     expected_tokens: float = math.nan
     predicted_time: float = math.nan
     source: str = "draft"
+    row_experts: tuple[int, ...] | None = None
+    row_loads: tuple[int, ...] | None = None
 
 
 @dataclass

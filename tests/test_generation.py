@@ -16,7 +16,14 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from specfit_hf.generation import CycleRecord, SpecFitCache, SpecFitConfig, hf_integration
+from specfit_hf.generation import (
+    EAGLE3_DEFAULTS,
+    SPECFIT_MAX_DEPTH,
+    CycleRecord,
+    SpecFitCache,
+    SpecFitConfig,
+    hf_integration,
+)
 from specfit_hf.testing import GEN_VOCAB as VOCAB
 from specfit_hf.testing import noisy_copy, tiny_llama, tiny_qwen3_moe  # noqa: F401  (other tests import them here)
 
@@ -270,7 +277,10 @@ def test_smaller_draft_vocab_is_a_clear_error(targets):
 
 def test_config_defaults_and_round_trip(tmp_path):
     cfg = SpecFitConfig()
-    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "specfit")
+    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, SPECFIT_MAX_DEPTH, 10, "specfit")
+    # the depth default is the policy's: SpecFit stops drafting on its own, the others draft to EAGLE-3's depth
+    assert SpecFitConfig(policy="eagle3").max_depth == EAGLE3_DEFAULTS["max_depth"] == 7
+    assert SpecFitConfig(policy="eagle3", max_depth=3).max_depth == 3
     cfg = SpecFitConfig(max_depth=5, tree_top_k=4, max_verify_nodes=32, policy="specfit",
                         policy_kwargs={"explore_every": 5}, max_new_tokens=7, do_sample=True, top_k=20)
     d = cfg.to_dict()
@@ -311,6 +321,11 @@ def test_greedy_with_offloaded_experts():
             loaded = [c.experts_loaded for c in out.cycles]
             assert all(x is not None and x >= 0 for x in loaded)
             assert sum(loaded) > 0
+            for c in out.cycles:  # per verified row: the root first, then the nodes in block order
+                assert len(c.row_experts) == len(c.row_loads) == c.nodes_verified + 1
+                assert sum(c.row_loads) == c.experts_loaded and c.row_loads[0] == c.root_experts_loaded
+                assert c.row_experts[0] == len(runtime.moe_layers) * runtime.top_k
+                assert all(0 <= load <= new for load, new in zip(c.row_loads, c.row_experts))
             accepted += sum(c.tokens_accepted for c in out.cycles)
         assert accepted > 0
     finally:

@@ -233,6 +233,62 @@ def test_first_row_misses_count_what_the_first_token_alone_needed():
         runtime.detach()
 
 
+def test_device_unique_finds_each_experts_first_row():
+    """The CUDA path's one-sync unique (run here on CPU tensors) against numpy's."""
+    from specfit_hf.offload.runtime import _unique_on_device
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 5, 17):
+        routing = torch.randint(0, 12, (rows, 4), generator=gen)
+        needed, first_row, inverse = _unique_on_device(routing)
+        want, first_pair = np.unique(routing.numpy(), return_index=True)
+        np.testing.assert_array_equal(needed, want)
+        assert (first_row is None) == (rows == 1)
+        if first_row is not None:
+            np.testing.assert_array_equal(first_row, first_pair // 4)
+        np.testing.assert_array_equal(needed[inverse.numpy()], routing.numpy())
+
+
+def test_first_uses_count_each_rows_new_experts_and_loads():
+    """Per row of a forward: the distinct experts it was the first to route to, and the loads among them
+    (against the definition, on the routing and the residents before the forward)."""
+    model = build_model("qwen3_moe", seed=4)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS // 2, policy="lru")
+    view = runtime.view()
+    try:
+        with torch.no_grad():
+            deeper_share_more = []
+            for trial in range(6):
+                if trial % 3 == 0:
+                    runtime.flush()
+                rows = 1 + trial  # a one-row forward first, then blocks of 2..6 rows
+                before = {idx: runtime.resident_mask(idx).clone() for idx in runtime.moe_layers}
+                uses_before, loads_before = view.first_uses()
+                misses_before = runtime.stats.total.copy()
+                model(PROMPT[:, 3 + trial: 3 + trial + rows])
+                uses, loads = (a - b for a, b in zip(view.first_uses(), (uses_before, loads_before)))
+                want_uses, want_loads = np.zeros_like(uses), np.zeros_like(loads)
+                for idx in runtime.moe_layers:
+                    routing = runtime.last_routing(idx).numpy()
+                    seen: set[int] = set()
+                    for r, experts in enumerate(routing):
+                        new = set(experts.tolist()) - seen
+                        seen |= new
+                        want_uses[r] += len(new)
+                        want_loads[r] += sum(not bool(before[idx][e]) for e in new)
+                np.testing.assert_array_equal(uses, want_uses)
+                np.testing.assert_array_equal(loads, want_loads)
+                delta = runtime.stats.total - misses_before
+                assert loads.sum() == delta.misses and loads[0] == delta.first_row_misses
+                assert uses[0] == len(runtime.moe_layers) * runtime.top_k  # a row's own experts are distinct
+                assert not uses[rows:].any()
+                if rows > 2:
+                    deeper_share_more.append(uses[rows - 1] < uses[0])
+            assert any(deeper_share_more)  # later rows share experts with earlier ones
+    finally:
+        runtime.detach()
+
+
 def test_non_persistent_cache_misses_every_forward():
     model = build_model("qwen3_moe", seed=3)
     runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS)

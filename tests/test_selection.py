@@ -926,3 +926,103 @@ def test_gate_plain_figures_are_the_plain_entry_of_every_kinds_figures():
         gate.observe("plain", 1, 0.01 + loads * t_exp, loads=loads, t_expert=t_exp)
         gate.observe("chain:1", 2, 0.02, loads=loads, root_loads=min(loads, 1), t_expert=t_exp, nodes=1, accepted=1)
         assert gate.plain_figures() == pytest.approx(gate.cycle_figures()["plain"])
+
+
+def test_chain_novelty_shrinks_each_depth_toward_the_one_above():
+    from specfit_hf.selection.gate import _MAX_CHAIN, _NOVELTY_PRIOR, DraftingMeasurements, chain_novelty
+
+    state = DraftingMeasurements(interval=8)
+    n = chain_novelty(state)
+    assert n[0] == 0.0 and n == pytest.approx(np.arange(_MAX_CHAIN + 1))  # before data every node is all new
+    # chains of 3 whose depths brought 0.8, 0.5 and 0.2 of a root's experts, many times
+    state.novelty[0, :3] = 40 * np.array([0.8, 0.5, 0.2])
+    state.novelty[1, :3] = 40
+    n = chain_novelty(state)
+    shares = np.diff(n)
+    p1 = (32 + _NOVELTY_PRIOR * 1.0) / (40 + _NOVELTY_PRIOR)
+    p2 = (20 + _NOVELTY_PRIOR * p1) / (40 + _NOVELTY_PRIOR)
+    p3 = (8 + _NOVELTY_PRIOR * p2) / (40 + _NOVELTY_PRIOR)
+    assert shares[:3] == pytest.approx([p1, p2, p3])
+    assert shares[3:] == pytest.approx(p3)  # a depth not measured is priced like the deepest measured one
+    assert np.all(np.diff(n) > 0)
+
+
+def test_gate_prices_each_depth_by_the_new_experts_it_brings():
+    """Chains whose deeper tokens reuse the experts before them cost less per level, and the gate
+    ranks a deeper chain above a shorter one there -- where, with every node priced as new, it would not."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    def gate_after(novelty):
+        state = DraftingMeasurements(interval=8)
+        state.verify = OnlineCostModel(CostModel(t0=0.01, t_token=0.0002, t_expert=0.006, t_novel=0.003))
+        kinds = ["plain", "chain:1", "chain:4", "chain:8", "tree"]
+        gate = DraftingGate(state, True, kinds, 8, 64)
+        rng = np.random.default_rng(3)  # the same draws for both gates: the same acceptance, ~0.85 per depth
+        for _ in range(40):
+            gate.observe("plain", 1, 0.010 + 0.006, loads=1, t_expert=0.006)
+            for h in (4, 8):
+                shares = novelty[:h]
+                loads = 1 + round(sum(shares))  # a root's worth of new experts loads one expert here
+                accepted = int(np.argmin(np.append(rng.random(h) < 0.85, False)))  # leading acceptances
+                gate.observe(f"chain:{h}", accepted + 1, 0.012 + 0.0005 * h + 0.006 * loads, loads=loads,
+                             root_loads=1, t_expert=0.006, nodes=h, accepted=accepted, novelty=list(shares))
+            state.draft.add(4, 4, 0.002, 0.9)
+            state.draft.add(8, 8, 0.004, 0.9)
+        return gate
+
+    fresh = gate_after([1.0] * 8)  # every depth brings a root's worth of new experts
+    shared = gate_after([0.9, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1])  # a repetitive answer: later tokens reuse experts
+    np.testing.assert_allclose(fresh.depth_acceptance(), shared.depth_acceptance())  # the same acceptance
+    assert fresh.chain_tokens()[8] < 6  # not every draft token is accepted
+    n_fresh, n_shared = fresh.novelty(), shared.novelty()
+    assert n_fresh[8] > 7 and n_shared[8] < 3
+    f_fresh, f_shared = fresh.cycle_figures(), shared.cycle_figures()
+    # the same tokens; the shared chains cost less, and the deeper chain the most less
+    assert f_shared["chain:8"][0] == pytest.approx(f_fresh["chain:8"][0])
+    saved4 = f_fresh["chain:4"][1] - f_shared["chain:4"][1]
+    saved8 = f_fresh["chain:8"][1] - f_shared["chain:8"][1]
+    assert 0 < saved4 < saved8
+    assert shared.rate("chain:8") > shared.rate("chain:4")
+    assert fresh.rate("chain:8") < fresh.rate("chain:4")
+    # the loads fit is per root's worth of new experts: one load each here
+    a, b = shared.state.node_loads
+    assert a + b * shared.state.root_loads == pytest.approx(1.0, abs=0.2)
+
+
+def test_cost_fit_separates_new_experts_from_tokens():
+    from specfit_hf.selection.calibration import fit_cost_model
+
+    rng = np.random.default_rng(0)
+    truth = CostModel(t0=0.01, t_token=0.0002, t_expert=0.006, t_novel=0.003)
+    samples = []
+    for _ in range(200):
+        tokens = int(rng.integers(1, 12))
+        novel = float(rng.uniform(0.2, 1.0)) * (tokens - 1)  # shares vary with the text
+        misses = int(rng.integers(0, 6))
+        seconds = truth.t0 + truth.t_token * tokens + truth.t_expert * misses + truth.t_novel * novel
+        samples.append((tokens, misses, seconds, novel))
+    fit = fit_cost_model(samples)
+    assert (fit.t0, fit.t_token, fit.t_expert, fit.t_novel) == pytest.approx(
+        (truth.t0, truth.t_token, truth.t_expert, truth.t_novel), rel=1e-6)
+    # three values per sample: the old form, t_novel kept at the prior's
+    old = fit_cost_model([s[:3] for s in samples], prior=CostModel(0.01, 0.001, 0.006, t_novel=0.0), prior_weight=0.0)
+    assert old.t_novel == 0.0
+    with pytest.raises(ValueError, match="all alike"):
+        fit_cost_model([samples[0], samples[1][:3]])
+
+
+def test_best_lookup_prefix_takes_a_cost_per_depth():
+    from specfit_hf.selection.lookup import best_lookup_prefix
+
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        q = rng.uniform(0.3, 1.0, size=int(rng.integers(1, 10)))
+        node = rng.uniform(0.0005, 0.01, size=q.size)
+        root = float(rng.uniform(0.005, 0.03))
+        h, e, t = best_lookup_prefix(q, root, node)
+        rates = [(1 + np.cumprod(q)[:j].sum()) / (root + node[:j].sum()) for j in range(1, q.size + 1)]
+        assert h == int(np.argmax(rates)) + 1
+        assert e / t == pytest.approx(max(rates))
+        # one value for every depth is the same as that value repeated
+        assert best_lookup_prefix(q, root, float(node[0])) == best_lookup_prefix(q, root, np.full(q.size, node[0]))

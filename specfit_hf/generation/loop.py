@@ -237,6 +237,7 @@ def tree_speculative_decoding(
             cycle_start = clock()
             loads_before = None if experts is None else experts.loads()
             root_loads_before = None if experts is None else experts.root_loads()
+            uses_before = None if experts is None else experts.first_uses()
             prefix_len = cache.get_seq_length()
             root = int(sequence[0, -1])
 
@@ -278,6 +279,12 @@ def tree_speculative_decoding(
                     commit_features = block_features[:, rows.to(block_features.device)]
                 candidate_generator.commit(candidates, result, commit_features)
 
+            row_experts = row_loads = None
+            if experts is not None:
+                rows = candidates.num_nodes + 1
+                uses, uses_loads = experts.first_uses()
+                row_experts = tuple((uses - uses_before[0])[:rows].tolist())
+                row_loads = tuple((uses_loads - uses_before[1])[:rows].tolist())
             record = CycleRecord(
                 nodes_drafted=len(candidates.tree),
                 nodes_verified=candidates.num_nodes,
@@ -293,6 +300,8 @@ def tree_speculative_decoding(
                 root_experts_loaded=None if experts is None else experts.root_loads() - root_loads_before,
                 expected_tokens=float(candidates.selection.expected_tokens),
                 predicted_time=float(candidates.selection.predicted_time),
+                row_experts=row_experts,
+                row_loads=row_loads,
             )
             records.append(record)
             candidate_generator.observe(candidates, result, record)

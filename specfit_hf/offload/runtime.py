@@ -155,11 +155,28 @@ def _full_experts_state(layer: _MoELayer, module: nn.Module, state_dict: dict, p
             state_dict[prefix + name] = layer.host[name]
 
 
-def _first_row_misses(missing: np.ndarray, first: np.ndarray, single: bool) -> int:
-    """How many of a forward's ``missing`` experts its first row routed to (all of them for one row)."""
-    if single or not len(missing):
-        return len(missing)
-    return len(set(missing.tolist()).intersection(first.tolist()))
+#: Rows of a forward whose first uses of experts are counted apart (a verify block: the root,
+#: then its nodes); rows past the last share its count.
+FIRST_USE_ROWS = 64
+
+
+def _unique_on_device(top_k_index: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None, torch.Tensor]:
+    """(needed expert ids ascending, on the host; each one's first row, ``None`` for one row; the
+    pairs' positions in ``needed`` ``[T, k]``, on the device), with one host sync: residency is
+    decided on the host."""
+    uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
+    if top_k_index.shape[0] == 1:
+        return uniq.cpu().numpy(), None, inverse
+    pair_row = torch.arange(inverse.numel(), device=inverse.device) // top_k_index.shape[-1]
+    firsts = torch.full_like(uniq, top_k_index.shape[0], dtype=torch.long).scatter_reduce_(
+        0, inverse.reshape(-1), pair_row, "amin")
+    both = torch.cat([uniq, firsts.to(uniq.dtype)]).cpu().numpy()  # the same sync brings the first rows
+    return both[: uniq.numel()], both[uniq.numel():], inverse
+
+
+def _row_histogram(rows: np.ndarray) -> np.ndarray:
+    """Counts per row of :data:`FIRST_USE_ROWS` (rows past the last count in the last)."""
+    return np.bincount(np.minimum(rows, FIRST_USE_ROWS - 1), minlength=FIRST_USE_ROWS)
 
 
 def _in_id_order(slots: np.ndarray) -> bool:
@@ -246,6 +263,11 @@ class OffloadRuntime:
         self._first_layer = layers[0]
         self._stats = OffloadStats(layers={layer.layer_idx: layer.stats for layer in layers})
         self._tick = 0
+        # Per row of a forward, summed over layers and forwards: the distinct experts that row was the
+        # first to route to, and of those the ones loaded.  A verify block's rows are its root and then
+        # its nodes, so a chain's differences say how many new experts each depth brings (ExpertCacheView)
+        self.first_uses = np.zeros(FIRST_USE_ROWS, dtype=np.int64)
+        self.first_use_loads = np.zeros(FIRST_USE_ROWS, dtype=np.int64)
         self._original_device = original_device
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_events: list[tuple[TransferStats, torch.cuda.Event, torch.cuda.Event]] = []
@@ -282,6 +304,8 @@ class OffloadRuntime:
     def reset_stats(self) -> None:
         self._collect_transfer_times()
         self._stats.reset()
+        self.first_uses[:] = 0
+        self.first_use_loads[:] = 0
 
     def cached_experts(self, layer_idx: int) -> set[int]:
         """Experts resident in the device cache of that layer now."""
@@ -344,6 +368,7 @@ class OffloadRuntime:
                 layer.stats.copy(),
             ))
         total = self._stats.total.copy()
+        first_uses = (self.first_uses.copy(), self.first_use_loads.copy())
         self.link = None
         try:
             yield
@@ -359,6 +384,7 @@ class OffloadRuntime:
             for f in fields(total):
                 setattr(self._stats.total, f.name, getattr(total, f.name))
             self.link, self._tick = saved_link, saved_tick
+            self.first_uses, self.first_use_loads = first_uses
 
     def detach(self) -> None:
         """Undo ``offload_experts``: the model's own expert parameters, forward and device come back."""
@@ -393,29 +419,28 @@ class OffloadRuntime:
         tick = self._tick
         cache = layer.cache
         on_cpu = top_k_index.device.type == "cpu"
-        single = top_k_index.shape[0] == 1  # then every miss is the first row's (no need to know its experts)
+        num_rows, k = top_k_index.shape[0], top_k_index.shape[-1]
+        single = num_rows == 1  # then every expert is first used by row 0 (no need to know which row)
+        first_row = None  # per needed expert: the first row routed to it (None: all row 0)
         if on_cpu:
             # numpy on a few dozen ids is several times cheaper than torch.unique
             ids = top_k_index.numpy()
-            needed = np.unique(ids)
-            first = ids[0]
+            if single:
+                needed = np.unique(ids)
+            else:
+                needed, first_pair = np.unique(ids, return_index=True)
+                first_row = first_pair // k
             inverse = None
         else:
-            uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
-            if single:
-                needed = first = uniq.cpu().numpy()  # the one host sync per layer: residency is decided on the host
-            else:  # the same sync brings the first row's experts
-                both = torch.cat([uniq, inverse.reshape(top_k_index.shape[0], -1)[0].to(uniq.dtype)]).cpu().numpy()
-                needed = both[: uniq.numel()]
-                first = needed[both[uniq.numel():]]
+            needed, first_row, inverse = _unique_on_device(top_k_index)
         num_needed = len(needed)
         layer.stats.forwards += 1
         self._stats.total.forwards += 1
 
         if num_needed <= cache.num_slots:
             slots, load_experts, load_slots = cache.assign(needed, tick)
-            self._count(layer, num_needed - len(load_experts), len(load_experts),
-                        _first_row_misses(load_experts, first, single))
+            loaded_rows = None if first_row is None else first_row[np.searchsorted(needed, load_experts)]
+            self._count(layer, num_needed - len(load_experts), len(load_experts), first_row, loaded_rows)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
             if not _in_id_order(slots):
@@ -445,7 +470,8 @@ class OffloadRuntime:
                            else torch.bincount(inverse.reshape(-1), minlength=num_needed).cpu().numpy())
         missing = np.flatnonzero(~resident)
         order = np.concatenate([np.flatnonzero(resident), missing[np.argsort(rows_per_expert[missing], kind="stable")]])
-        self._count(layer, num_needed - missing.size, missing.size, _first_row_misses(needed[missing], first, single))
+        self._count(layer, num_needed - missing.size, missing.size, first_row,
+                    None if first_row is None else first_row[missing])
         partial = torch.zeros_like(hidden)
         short = num_needed % cache.num_slots
         waves = ([order[:short]] if short else []) + [
@@ -474,11 +500,22 @@ class OffloadRuntime:
             partial.index_add_(0, rows, out.to(partial.dtype))
         raise AssertionError("unreachable")
 
-    def _count(self, layer: _MoELayer, hits: int, misses: int, first_row_misses: int = 0) -> None:
+    def _count(self, layer: _MoELayer, hits: int, misses: int, first_row: np.ndarray | None = None,
+               loaded_rows: np.ndarray | None = None) -> None:
+        """Count a forward's hits and misses; ``first_row`` / ``loaded_rows``: the first row routed to each
+        needed / loaded expert (``None``: a one-row forward, all row 0)."""
         total = self._stats.total
         layer.stats.hits += hits
         total.hits += hits
+        if first_row is None:
+            self.first_uses[0] += hits + misses
+            self.first_use_loads[0] += misses
+        else:
+            self.first_uses += _row_histogram(first_row)
+            if misses:
+                self.first_use_loads += _row_histogram(loaded_rows)
         if misses:
+            first_row_misses = misses if loaded_rows is None else int(np.count_nonzero(loaded_rows == 0))
             layer.stats.first_row_misses += first_row_misses
             total.first_row_misses += first_row_misses
             nbytes = misses * self.expert_bytes

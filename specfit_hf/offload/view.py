@@ -80,6 +80,18 @@ class ExpertCacheView:
         """
         return int(self._runtime.stats.total.first_row_misses)
 
+    def first_uses(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per forward row (``FIRST_USE_ROWS`` of them), all layers so far: the distinct experts that row
+        was the first to route to, and the loads among them (copies: cycles difference them).
+
+        A verify block's rows are its root and then its nodes, so in a chain the difference at
+        row ``j`` is what depth ``j`` brought that the tokens before it had not: the experts
+        the target computed for it alone (an MoE forward reads each distinct expert once)
+        and the loads only it caused.
+        """
+        runtime = self._runtime
+        return runtime.first_uses.copy(), runtime.first_use_loads.copy()
+
     def transfer_seconds(self) -> float | None:
         """Seconds one expert load takes on the emulated link, or ``None`` without one."""
         link = self._runtime.link

@@ -28,40 +28,48 @@ __all__ = [
     "nonnegative_ridge",
 ]
 
-# (verified tokens incl. root, experts loaded, seconds)
-CostSample = tuple[float, float, float]
+# (verified tokens incl. root, experts loaded, seconds[, new experts of the nodes in roots' worth])
+CostSample = tuple[float, ...]
 
 
 def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None = None,
                    prior_weight: float = 0.0) -> CostModel:
-    """Non-negative least squares fit of ``seconds = t0 + t_token * tokens + t_expert * misses``.
+    """Non-negative least squares fit of ``seconds = t0 + t_token * tokens + t_expert * misses [+ t_novel * novel]``.
+
+    Samples of four values carry ``novel`` (the distinct experts the verified nodes computed
+    beyond the root's, in roots' worth); with three, ``t_novel`` stays the prior's (0).
 
     ``prior_weight`` adds that many pseudo-samples pinning each coefficient to ``prior``
     (ridge toward the prior, scaled to the data) -- useful when few samples exist or a
     feature barely varies.  Rows are weighted by 1/seconds so the fit minimises relative
     error (what MAPE measures).
     """
-    data = np.asarray(list(samples), dtype=np.float64).reshape(-1, 3)
+    rows = [tuple(float(v) for v in sample) for sample in samples]
+    width = max((len(r) for r in rows), default=3)
+    if width not in (3, 4) or any(len(r) != width for r in rows):
+        raise ValueError("cost samples are (tokens, misses, seconds) or (tokens, misses, seconds, novel), all alike")
+    data = np.asarray(rows, dtype=np.float64).reshape(-1, width)
     if data.shape[0] == 0 and prior is None:
         raise ValueError("fit_cost_model needs samples or a prior")
-    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], *([data[:, 3]] if width == 4 else [])])
     y = data[:, 2]
     w = 1.0 / np.maximum(y, 1e-9)
     a, b = x * w[:, None], y * w
     if prior is not None and prior_weight > 0:
-        p = np.array([prior.t0, prior.t_token, prior.t_expert])
+        p = np.array([prior.t0, prior.t_token, prior.t_expert, prior.t_novel][:width])
         # pin coefficient j with strength proportional to its typical contribution
-        scale = np.maximum(np.abs(a).mean(axis=0) if len(a) else np.ones(3), 1e-12) * np.sqrt(prior_weight)
+        scale = np.maximum(np.abs(a).mean(axis=0) if len(a) else np.ones(width), 1e-12) * np.sqrt(prior_weight)
         a = np.vstack([a, np.diag(scale)])
         b = np.concatenate([b, scale * p])
     if a.shape[0] == 0:
         assert prior is not None
         return prior
     coef, _ = nnls(a, b)
-    t0, t_tok, t_exp = (float(c) for c in coef)
+    t0, t_tok, t_exp = (float(c) for c in coef[:3])
+    t_novel = float(coef[3]) if width == 4 else (prior.t_novel if prior is not None else 0.0)
     if t0 + t_tok <= 0:
         t0 = float(max(np.min(y), 1e-6)) if len(y) else 1e-3
-    return CostModel(t0=t0, t_token=t_tok, t_expert=t_exp)
+    return CostModel(t0=t0, t_token=t_tok, t_expert=t_exp, t_novel=t_novel)
 
 
 def nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
@@ -185,11 +193,13 @@ class OnlineCostModel:
         self.predicted: list[float] = []
         self.measured: list[float] = []
 
-    def add(self, tokens: float, misses: float, seconds: float, predicted: float | None = None) -> None:
-        """Record one cycle and refit.  ``predicted`` (the policy's forecast) feeds :attr:`mape`."""
+    def add(self, tokens: float, misses: float, seconds: float, predicted: float | None = None,
+            novel: float = 0.0) -> None:
+        """Record one cycle and refit.  ``predicted`` (the policy's forecast) feeds :attr:`mape`;
+        ``novel``: the distinct experts the verified nodes computed beyond the root's, in roots' worth."""
         if not np.isfinite(seconds) or seconds <= 0:
             return
-        self.samples.append((float(tokens), float(misses), float(seconds)))
+        self.samples.append((float(tokens), float(misses), float(seconds), float(novel)))
         if predicted is not None and np.isfinite(predicted):
             self.predicted.append(float(predicted))
             self.measured.append(float(seconds))

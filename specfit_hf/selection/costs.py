@@ -28,14 +28,23 @@ import numpy as np
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
 from .calibration import OnlineCostModel, mape, nonnegative_ridge
-from .gate import DraftCost, DraftingMeasurements
+from .gate import DraftCost, DraftingMeasurements, chain_novelty
 from .search import CostModel
 
-__all__ = ["CycleCostTracker", "default_cost_model"]
+__all__ = ["CycleCostTracker", "default_cost_model", "node_novelty"]
 
 _LOAD_DECAY = 0.9  # per cycle: expected loads follow the cache state
 _NODE_RIDGE = 1.0  # pseudo-observations pulling (g, b) toward (0, 1): the forecast as it is before data
 _DRAFT_DECAY = 0.9  # per drafting cycle: the drafting cost fit follows the host's load
+
+
+def node_novelty(record: CycleRecord) -> list[float] | None:
+    """Per verified node of ``record``, the distinct experts it was the first of its block to compute,
+    in roots' worth (``None`` without the runtime's per-row counts)."""
+    rows = record.row_experts
+    if not rows or rows[0] <= 0:
+        return None
+    return [r / rows[0] for r in rows[1:]]
 
 
 def default_cost_model(experts: ExpertCacheView | None = None) -> CostModel:
@@ -113,7 +122,11 @@ class CycleCostTracker:
             c = self.model
             g, b = self.node_loads
             t0 = c.t0 + self.draft.predict(levels, nodes) + c.t_expert * (self.root_loads - g - b * root_predicted)
-            model = CostModel(max(t0, 1e-9), c.t_token + c.t_expert * g, c.t_expert * b)
+            # a node computes the experts it adds: a chain's share per node at this depth
+            novel = chain_novelty(self.drafting)
+            depth = min(max(levels, 1), novel.size - 1)
+            per_node = c.t_novel * float(novel[depth]) / depth
+            model = CostModel(max(t0, 1e-9), c.t_token + c.t_expert * g + per_node, c.t_expert * b)
             self._models[key] = model
         return model
 
@@ -145,7 +158,7 @@ class CycleCostTracker:
         if self.online:
             self.fit.add(tokens=record.nodes_verified + 1,
                          misses=0 if record.experts_loaded is None else record.experts_loaded,
-                         seconds=max(seconds - draft_s - select_s, 1e-9))
+                         seconds=max(seconds - draft_s - select_s, 1e-9), novel=sum(node_novelty(record) or ()))
         # forecast vs measurement of the whole cycle, for the MAPE report
         if not self.online or math.isfinite(selection.predicted_time):
             self.predicted.append(float(selection.predicted_time))

@@ -15,7 +15,7 @@ it is the adaptive tree wherever the tree pays.
 **One acceptance for every chain.**  Acceptance follows the text: a stretch of copied
 numbers accepts nearly everything, a fresh sentence little.  Kinds measured in different
 stretches cannot be compared by their own tokens per cycle, so a chain's tokens come from
-one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..7``, pooled over
+one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..12``, pooled over
 every chain cycle (about the last ten weigh most; a depth not reached lately falls back to
 its long-run rate): ``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost
 per cycle.  The tree's tokens are its own, scaled down (never up) by how much the chains'
@@ -24,14 +24,25 @@ acceptance fell since its cycles ran.
 **Transfers at today's rate.**  Transfers are most of a step's variance and drift with
 the cache: a plain step at half cache loads 0 to 5 experts by routing luck.  Every cycle
 reports the experts its *root* alone loaded (in a drafting cycle: the root's routing
-against the residents before the verify) and the extra loads of its verified nodes.  What
-a verified node loads follows the cache state as a root's does: ``a + b m`` with ``m``
-the root loads mean when it ran, fitted over the chains' and probes' cycles (non-negative
-least squares, ~50 cycles of memory; measured on the 4090 twin: ~0.2 extra loads per node at
-``m`` ~0.2, ~1.5 at ``m`` ~2).  Every kind is charged ``t_expert * (m + (a + b m) *
-nodes)`` per cycle with ``m`` the *current* mean: kinds measured in a cold phase and
-kinds measured in a warm one compare as if measured now.  The tree's nodes are not a
-chain's: its search verifies the nodes whose experts are resident, so its ``a + b m`` is
+against the residents before the verify) and, per verified node, the distinct experts it
+was the first of the block to compute and the loads among them.
+
+**Each depth pays for the experts it adds.**  An MoE forward computes each distinct expert
+once, and a chain's tokens share experts with the ones before them: on GSM8K's repetitive
+answers the eighth token brings about a third of a root's experts, on fresh text more.  So
+a chain is not priced per node but per *new* expert: ``N(h)``, the new experts of a chain
+of ``h`` nodes in roots' worth, is learnt per depth from the chains' own blocks
+(:func:`chain_novelty`); each new expert costs the verify's ``t_novel`` (reading it: most
+of a small block's compute on a GPU) and loads with a chance that follows the cache state
+as a root's does: ``a + b m`` per root's worth, with ``m`` the root loads mean when it ran,
+fitted over the chains' and probes' cycles (non-negative least squares, ~50 cycles of
+memory).  Every kind is charged ``t_expert * (m + (a + b m) N(nodes))`` per cycle with
+``m`` the *current* mean: kinds measured in a cold phase and kinds measured in a warm one
+compare as if measured now.  (Priced per node, deeper chains looked dearer than they are
+where the text repeats: 4090 twin, host time frozen, 32 + 32 prompts: GSM8K at half cache
+1.75x -> 1.78x plain decoding with depths up to 12, 2.28x -> 2.44x at 75 %.)
+
+The tree's nodes are not a chain's: its search verifies the nodes whose experts are resident, so its ``a + b m`` is
 scaled by what its own nodes loaded against what the fit said they would (its own ratio,
 decayed like the fit; the fit itself learns from the chains' and probes' nodes only).
 Priced as a chain's, the tree's nodes made it look dearer than it is exactly where its
@@ -186,6 +197,8 @@ class DraftingMeasurements:
     call_cycle: int = 0  # cycles observed in the current call
     depth_fast: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))  # [accepted, tried] per depth
     depth_slow: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
+    # [new experts of depth d / the root's, chains measured] per depth d = 1.._MAX_CHAIN (decayed)
+    novelty: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
     lookup: LookupAcceptance = field(default_factory=LookupAcceptance)  # of prompt-lookup proposals
     # [context, accepted / tried, depth]: chain outcomes by the lookup proposal the cycle had (lookup_context)
     depth_context: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2, _MAX_CHAIN)))
@@ -209,7 +222,7 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
 
 
 LOOKUP = "lookup"  # a cycle verifying a prompt-lookup chain (no draft forward; not ranked: chosen per cycle)
-_MAX_CHAIN = 7  # longest fixed chain the gate ranks (GSM8K's best static chain is the deepest tried up to 7)
+_MAX_CHAIN = 16  # longest fixed chain a gate may rank (SpecFitOptions.max_chain; sizes the per-depth figures)
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
@@ -229,6 +242,33 @@ _OWN_NODE_KINDS = ("tree", LOOKUP)  # kinds whose verified nodes are priced by t
 _REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
 _CONTEXT_DECAY = 0.005  # per-cycle forgetting of the chains' acceptance by lookup context (~200 cycles)
 _CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added to a context's counts
+_NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings as many new experts as depth d - 1 (the root: all)
+
+
+def _novel(novelty: np.ndarray, nodes: float) -> float:
+    """:func:`chain_novelty` at ``nodes`` (interpolated; past the deepest depth, each more node adds what it does)."""
+    last = novelty.size - 1
+    if nodes <= last:
+        return float(np.interp(nodes, np.arange(novelty.size), novelty))
+    return float(novelty[last] + (nodes - last) * (novelty[last] - novelty[last - 1]))
+
+
+def chain_novelty(state: DraftingMeasurements) -> np.ndarray:
+    """``N[h]``: the new experts a chain of ``h`` nodes brings beyond its root's, in roots' worth (``N[0] = 0``).
+
+    An MoE forward computes (and, if absent, loads) each distinct expert once, and the tokens
+    of a chain share experts with the ones before them: on GSM8K's repetitive answers depth 8
+    brings a third of a root's experts, on fresh text more.  Each depth's measured share
+    (:attr:`DraftingMeasurements.novelty`) is shrunk toward the estimate of the depth above it,
+    so a depth not measured yet is priced like the deepest one that was.
+    """
+    sums, counts = state.novelty
+    out = np.zeros(_MAX_CHAIN + 1)
+    previous = 1.0
+    for d in range(_MAX_CHAIN):
+        previous = (float(sums[d]) + _NOVELTY_PRIOR * previous) / (float(counts[d]) + _NOVELTY_PRIOR)
+        out[d + 1] = out[d] + previous
+    return out
 
 
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
@@ -249,9 +289,9 @@ def kind_depth(kind: str) -> int:
 PROBE = probe_kind(0)  # a plain step that drafts a chain it does not verify
 
 
-def chain_kinds(max_depth: int) -> list[str]:
-    """The kinds of cycle the gate ranks: plain, chains of 1..min(7, max_depth) levels, the adaptive tree."""
-    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_depth) + 1)), "tree"]
+def chain_kinds(max_chain: int) -> list[str]:
+    """The kinds of cycle the gate ranks: plain, chains of ``1..max_chain`` levels (at most 16), the adaptive tree."""
+    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_chain) + 1)), "tree"]
 
 
 class DraftingGate:
@@ -283,6 +323,7 @@ class DraftingGate:
         # derived figures, computed once per change of the measurements: (state.version, value)
         self._figures: tuple[int, dict[str, tuple[float, float]]] | None = None
         self._chain_tokens: tuple[int, np.ndarray | None] | None = None
+        self._novelty: tuple[int, np.ndarray] | None = None
         state.exploring, state.explore_left = None, 0
 
     @property
@@ -318,7 +359,8 @@ class DraftingGate:
             return self._figures[1]  # asked twice a cycle (choosing, forecasting): one computation
         sums = state.sums
         m = state.root_loads or 0.0
-        per_node = self._node_extra_loads(m)  # a node's extra loads now
+        per_new = self._node_extra_loads(m)  # the loads a root's worth of new experts brings now
+        novelty = self.novelty()
         tree_factor = self.node_factor("tree")  # the tree picks cheaper nodes
         chain_tokens = self.chain_tokens()
         ct = None if chain_tokens is None else chain_tokens.tolist()
@@ -326,7 +368,8 @@ class DraftingGate:
         out = {}
         for kind, v in sums.items():
             tokens, seconds, cycles, nodes, reference = v.tolist()
-            transfers = t_expert * (m * cycles + per_node * nodes * (tree_factor if kind == "tree" else 1.0))
+            new = cycles * _novel(novelty, nodes / cycles)  # new experts of the kind's nodes, at today's novelty
+            transfers = t_expert * (m * cycles + per_new * new * (tree_factor if kind == "tree" else 1.0))
             if ct is not None and kind.startswith("chain:"):
                 # the same acceptance for every chain: each kind's own cycles ran in other
                 # stretches of the text, whose acceptance differs far more than the kinds do
@@ -345,15 +388,19 @@ class DraftingGate:
             verify = state.verify.last_fit if state.verify is not None else None
             draft = state.draft
             drafting = 0.0  # what drafting at all costs a cycle (its first level reads the committed tokens)
+            t_novel = 0.0  # seconds a root's worth of new experts costs the verify beyond its loads
             if draft.t_level is not None and verify is not None:
                 per_level, drafting = draft.t_level + draft.t_node + verify.t_token, draft.t_cycle
+                t_novel = verify.t_novel
             else:
                 levels = [(h, sums[k]) for k, h in self._chain_depths if k in sums]
                 per_level = float(np.mean([max(v[1] / v[2] - plain, 0.0) / h for h, v in levels])) if levels else None
             if per_level is not None:
                 root = plain + t_expert * m + drafting
+                per_novel = t_novel + t_expert * per_new
                 for kind, h in self._chain_depths:
-                    out[kind] = (ct[h], root + h * (per_level + t_expert * per_node))
+                    # deeper tokens share more of the experts before them: each depth pays for what it adds
+                    out[kind] = (ct[h], root + h * per_level + float(novelty[h]) * per_novel)
         if state.draft.t_level is not None:
             # a probe: the cycle it stands in for, plus the levels it drafts and does not verify.  A
             # probe of plain decoding drafts at all (a cycle's first level), and costs what its own
@@ -372,9 +419,16 @@ class DraftingGate:
         return out
 
     def _node_extra_loads(self, m: float) -> float:
-        """Extra loads of a verified chain node at root-loads mean ``m`` (the fit ``a + b m``)."""
+        """Loads per root's worth of new experts in a chain's nodes at root-loads mean ``m`` (the fit ``a + b m``)."""
         a, b = self.state.node_loads
         return float(a + b * m)
+
+    def novelty(self) -> np.ndarray:
+        """:func:`chain_novelty` of the measurements (cached until they change)."""
+        version = self.state.version
+        if self._novelty is None or self._novelty[0] != version:
+            self._novelty = (version, chain_novelty(self.state))
+        return self._novelty[1]
 
     def node_factor(self, kind: str) -> float:
         """What ``kind``'s verified nodes load against a drafted chain's (1 for the chains themselves)."""
@@ -383,14 +437,17 @@ class DraftingGate:
         loaded, forecast = self.state.own_node_sums.get(kind, (0.0, 0.0))
         return (loaded + _OWN_NODE_PRIOR) / (forecast + _OWN_NODE_PRIOR)
 
-    def node_seconds(self, kind: str = LOOKUP) -> float | None:
-        """Seconds one more verified token of ``kind`` costs now: its compute and the experts it adds
-        (``None`` before the verification fit exists)."""
+    def node_seconds(self, depth: int, kind: str = LOOKUP) -> np.ndarray | None:
+        """Seconds each of ``depth`` more verified tokens of ``kind`` in a chain costs now: its compute and
+        the experts it adds (``None`` before the verification fit exists)."""
         verify = self.state.verify.last_fit if self.state.verify is not None else None
         if verify is None:
             return None
-        extra = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
-        return verify.t_token + self.state.t_expert * extra
+        loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
+        per_new = verify.t_novel + self.state.t_expert * loads
+        novelty = self.novelty()
+        added = np.diff(np.array([_novel(novelty, h) for h in range(depth + 1)]))
+        return verify.t_token + per_new * added
 
     def ranked_figures(self) -> dict[str, tuple[float, float]]:
         """:meth:`cycle_figures` as of the last ranking (a running kind's forecast between rankings)."""
@@ -402,7 +459,7 @@ class DraftingGate:
         return tokens / cycles, seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0)
 
     def depth_acceptance(self) -> np.ndarray | None:
-        """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..7``.
+        """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..16``.
 
         Recent chain cycles and probes (about the last twenty) weigh most; where they did not reach a
         depth, the long-run rate of that depth stands in (``None`` before any chain cycle).
@@ -557,7 +614,8 @@ class DraftingGate:
 
     def observe(self, kind: str, tokens: int, seconds: float, loads: int | None = None,
                 root_loads: int | None = None, t_expert: float = 0.0, nodes: int = 0,
-                accepted: int | None = None, context: int | None = None) -> None:
+                accepted: int | None = None, context: int | None = None,
+                novelty: list[float] | None = None) -> None:
         """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
@@ -566,9 +624,17 @@ class DraftingGate:
         ``t_expert``: seconds per load (the cost model's);
         ``nodes``: draft nodes verified; ``accepted``: of those, the ones accepted (a chain
         cycle's acceptance feeds :meth:`depth_acceptance`, and :meth:`chain_tokens_in` its
-        lookup ``context``).  Without ``loads`` the cycle counts with its transfers in its seconds.
+        lookup ``context``); ``novelty``: per verified node, the new experts it was the first
+        of the block to compute, in roots' worth (``None``: unknown, every node counts as new).
+        Without ``loads`` the cycle counts with its transfers in its seconds.
         """
         state = self.state
+        if novelty is not None and nodes and kind not in _OWN_NODE_KINDS:  # a chain's depths (a probe's verified)
+            depths = min(len(novelty), _MAX_CHAIN)
+            state.novelty *= _NODE_DECAY
+            state.novelty[0, :depths] += novelty[:depths]
+            state.novelty[1, :depths] += 1.0
+        new = float(nodes) if novelty is None else float(sum(novelty))
         if loads is not None:
             seconds = max(seconds - t_expert * loads, 0.0)
             state.t_expert = t_expert
@@ -580,19 +646,22 @@ class DraftingGate:
                     # text whose experts were used lately: their nodes load less than a drafted chain's;
                     # what they loaded against what the chains' fit says a node loads
                     loaded, forecast = state.own_node_sums.get(kind, (0.0, 0.0))
-                    expected = nodes * self._node_extra_loads(state.root_loads or 0.0)
+                    expected = _novel(self.novelty(), nodes) * self._node_extra_loads(state.root_loads or 0.0)
                     state.own_node_sums[kind] = (_NODE_DECAY * loaded + float(loads - root),
                                                  _NODE_DECAY * forecast + expected)
                 elif nodes:
                     # the nodes' loads beyond the root's, against the root mean when they ran
-                    x = float(nodes) * np.array([1.0, state.root_loads or 0.0])
+                    x = new * np.array([1.0, state.root_loads or 0.0])
                     state.node_xtx = _NODE_DECAY * state.node_xtx + np.outer(x, x)
                     state.node_xty = _NODE_DECAY * state.node_xty + x * float(loads - root)
                     state.node_loads = nonnegative_ridge(state.node_xtx, state.node_xty, np.array([0.0, 1.0]),
                                                          _NODE_RIDGE)
-                state.root_loads = root if state.root_loads is None else (
-                    (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
-                if state.call_cycle <= _START_CYCLES:
+                # a lookup chain runs where the text repeats and its root's experts are resident: its
+                # root's loads are not what the ranked kinds' roots load
+                if kind != LOOKUP:
+                    state.root_loads = root if state.root_loads is None else (
+                        (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
+                if state.call_cycle <= _START_CYCLES and kind != LOOKUP:
                     state.start_loads = float(root) if state.start_loads is None else (
                         (1 - _START_EMA) * state.start_loads + _START_EMA * root)
         # the tree's cycles keep the reference chain's tokens at the acceptance they were chosen under

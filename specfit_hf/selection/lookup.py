@@ -106,15 +106,18 @@ class LookupAcceptance:
         self._following = alive
 
 
-def best_lookup_prefix(acceptance: np.ndarray, root_seconds: float, node_seconds: float) -> tuple[int, float, float]:
+def best_lookup_prefix(acceptance: np.ndarray, root_seconds: float,
+                       node_seconds: float | np.ndarray) -> tuple[int, float, float]:
     """The prefix length ``h >= 1`` of a chain maximizing expected tokens per second.
 
     ``E(h) = 1 + sum_{j <= h} prod_{i <= j} q_i`` (``q = acceptance``), ``T(h) = root_seconds +
-    h * node_seconds``.  Returns ``(h, E(h), T(h))``.
+    sum_{j <= h} s_j`` with ``s = node_seconds`` (one value for every depth, or one per depth).
+    Returns ``(h, E(h), T(h))``.
     """
     if acceptance.size == 0:
         raise ValueError("an empty chain has no prefix to verify")
     expected = 1.0 + np.cumsum(np.cumprod(acceptance))
-    seconds = root_seconds + node_seconds * np.arange(1, acceptance.size + 1)
+    per_node = np.broadcast_to(np.asarray(node_seconds, dtype=np.float64), acceptance.shape)
+    seconds = root_seconds + np.cumsum(per_node)
     h = int(np.argmax(expected / np.maximum(seconds, 1e-12)))
     return h + 1, float(expected[h]), float(seconds[h])

@@ -98,16 +98,19 @@ class SpecFitOptions:
 
 
 def _cost_model(value: Mapping) -> CostModel:
-    names = [f.name for f in dataclasses.fields(CostModel)]
-    missing = [n for n in names if n not in value]
+    fields = dataclasses.fields(CostModel)
+    names = [f.name for f in fields]
+    required = [f.name for f in fields if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in value]
     extra = [k for k in value if k not in names]
     if missing or extra:
-        raise ValueError(f"policy_kwargs['cost'] needs exactly the fields {names}; "
-                         f"missing {missing}, unknown {extra}")
-    for name in names:
+        raise ValueError(f"policy_kwargs['cost'] needs the fields {required} (optional: "
+                         f"{[n for n in names if n not in required]}); missing {missing}, unknown {extra}")
+    given = [n for n in names if n in value]
+    for name in given:
         if isinstance(value[name], bool) or not isinstance(value[name], (int, float)):
             raise ValueError(f"policy_kwargs['cost'][{name!r}] must be a number, got {value[name]!r}")
-    return CostModel(**{n: float(value[n]) for n in names})
+    return CostModel(**{n: float(value[n]) for n in given})
 
 
 def _check_calibrator_args(args: Mapping) -> None:

@@ -69,14 +69,18 @@ class CostModel:
         t0: fixed seconds per cycle (launches, drafting, sampling, python).
         t_token: seconds per verified token (root included).
         t_expert: seconds per expert copied host -> device (a miss of the device cache).
+        t_novel: seconds per root's worth of distinct experts the verified nodes compute beyond
+            the root's (an MoE forward reads each distinct expert once: on a GPU most of a
+            small block's cost).  The fit's term; the search sees it folded into ``t_token``.
     """
 
     t0: float
     t_token: float
     t_expert: float
+    t_novel: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("t0", "t_token", "t_expert"):
+        for name in ("t0", "t_token", "t_expert", "t_novel"):
             value = float(getattr(self, name))
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{name} must be finite and >= 0, got {value}")

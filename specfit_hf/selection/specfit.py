@@ -16,7 +16,7 @@ After every draft level :meth:`SpecFitPolicy.select` runs the recipe:
    (:class:`~.lookahead.LookAhead`): the drafting width is part of the decision.
 
 Before drafting (the empty tree) the drafting gate picks the kind of cycle
-(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1-7 levels, or the
+(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1-12 levels, or the
 adaptive tree above, whichever measurably delivers the most tokens per second here --
 so the policy degrades to plain decoding or a short chain wherever the draft, link or
 host make those faster, and runs the tree wherever it pays.  Then the cycle's
@@ -40,7 +40,7 @@ from ..offload import get_runtime
 from ..tree import CycleContext, CycleRecord, DraftTree, LookupProposal, Selection, VerifyResult
 from .acceptance import AcceptanceModel
 from .calibration import calibrate
-from .costs import CycleCostTracker, default_cost_model
+from .costs import CycleCostTracker, default_cost_model, node_novelty
 from .experts import make_predictor
 from .forecast import ExpertForecast
 from .gate import LOOKUP, PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements, kind_depth
@@ -78,6 +78,10 @@ class SpecFitPolicy(SelectionPolicy):
 
     options_class = SpecFitOptions
     options: SpecFitOptions
+    #: A cap, not a target: the policy stops drafting where another level stops paying, and where
+    #: the draft is right most of the time (GSM8K answers, 4090 twin, half cache) a chain of 10
+    #: delivers more than EAGLE-3's depth 7 (1.82x plain decoding against 1.79x).
+    default_max_depth = 12
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -276,7 +280,7 @@ class SpecFitPolicy(SelectionPolicy):
             return None
         if kind != "plain" and not (kind.startswith("chain:") and kind_depth(kind) <= _LOOKUP_REPLACES):
             return None
-        node_seconds = gate.node_seconds()
+        node_seconds = gate.node_seconds(len(proposal.tokens))
         plain = gate.plain_figures()
         figures = plain if kind == "plain" else gate.ranked_figures().get(kind)
         if node_seconds is None or figures is None:
@@ -376,7 +380,7 @@ class SpecFitPolicy(SelectionPolicy):
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
                               record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
-                              record.nodes_verified, record.tokens_accepted, self._context)
+                              record.nodes_verified, record.tokens_accepted, self._context, node_novelty(record))
         committed = list(result.new_tokens[: record.tokens_committed])
         self._follow_shadow(committed)  # an earlier probe's tokens against this cycle's
         if self.lookup_tokens:
