@@ -54,7 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .clock import clock
-from .generation import EAGLE3_DEFAULTS, SPECFIT_MAX_DEPTH, SpecFitConfig
+from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
 from .selection import available_policies, mape, mape_floors
@@ -193,9 +193,7 @@ def default_variants(
     variants.extend(lookup_family())
     if static_best is not None:
         variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
-    # SpecFit's own depth cap (it stops drafting where a level stops paying); the tree's width and
-    # node budget are EAGLE-3's
-    specfit = {**EAGLE3_DEFAULTS, "max_depth": SPECFIT_MAX_DEPTH}
+    specfit = dict(EAGLE3_DEFAULTS)  # the same tree settings as EAGLE-3's rows
     variants.append(Variant("specfit", "specfit", config=dict(specfit)))
     variants.append(Variant("specfit-eagle", "specfit", config={**specfit, "policy_kwargs": {"lookup_tokens": 0}}))
     variants.append(Variant("specfit-tree", "specfit",

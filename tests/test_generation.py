@@ -16,14 +16,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from specfit_hf.generation import (
-    EAGLE3_DEFAULTS,
-    SPECFIT_MAX_DEPTH,
-    CycleRecord,
-    SpecFitCache,
-    SpecFitConfig,
-    hf_integration,
-)
+from specfit_hf.generation import CycleRecord, SpecFitCache, SpecFitConfig, hf_integration
 from specfit_hf.testing import GEN_VOCAB as VOCAB
 from specfit_hf.testing import noisy_copy, tiny_llama, tiny_qwen3_moe  # noqa: F401  (other tests import them here)
 
@@ -277,10 +270,7 @@ def test_smaller_draft_vocab_is_a_clear_error(targets):
 
 def test_config_defaults_and_round_trip(tmp_path):
     cfg = SpecFitConfig()
-    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, SPECFIT_MAX_DEPTH, 10, "specfit")
-    # the depth default is the policy's: SpecFit stops drafting on its own, the others draft to EAGLE-3's depth
-    assert SpecFitConfig(policy="eagle3").max_depth == EAGLE3_DEFAULTS["max_depth"] == 7
-    assert SpecFitConfig(policy="eagle3", max_depth=3).max_depth == 3
+    assert (cfg.max_verify_nodes, cfg.max_depth, cfg.tree_top_k, cfg.policy) == (60, 7, 10, "specfit")
     cfg = SpecFitConfig(max_depth=5, tree_top_k=4, max_verify_nodes=32, policy="specfit",
                         policy_kwargs={"explore_every": 5}, max_new_tokens=7, do_sample=True, top_k=20)
     d = cfg.to_dict()

@@ -21,7 +21,7 @@ from . import hf_integration
 from .cache import SpecFitCache, UnsupportedCacheLayerError
 from .candidates import TreeCandidateGenerator, TreeCandidates, make_drafter
 from .causal_lm_drafter import CausalLMTreeDrafter
-from .config import EAGLE3_DEFAULTS, SPECFIT_MAX_DEPTH, SpecFitConfig
+from .config import EAGLE3_DEFAULTS, SpecFitConfig
 from .drafter import Drafter
 from .lookup import PromptLookup
 from .loop import SpecFitGenerateOutput, tree_speculative_decoding
@@ -35,7 +35,6 @@ __all__ = [
     "CycleRecord",
     "Drafter",
     "EAGLE3_DEFAULTS",
-    "SPECFIT_MAX_DEPTH",
     "PromptLookup",
     "SpecFitCache",
     "SpecFitConfig",

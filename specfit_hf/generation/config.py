@@ -14,14 +14,12 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..selection import SpecFitPolicy, policy_class, validate_policy
+from ..selection import validate_policy
 
-__all__ = ["SpecFitConfig", "EAGLE3_DEFAULTS", "SPECFIT_MAX_DEPTH", "MAX_TREE_TOP_K", "MAX_DEPTH"]
+__all__ = ["SpecFitConfig", "EAGLE3_DEFAULTS", "MAX_TREE_TOP_K", "MAX_DEPTH"]
 
 #: EAGLE-2/3 reference settings (``total_token`` 60, depth 7, top-k 10): the one home of these numbers.
 EAGLE3_DEFAULTS = {"max_verify_nodes": 60, "max_depth": 7, "tree_top_k": 10}
-#: The ``specfit`` policy's default depth (:attr:`SpecFitPolicy.default_max_depth`).
-SPECFIT_MAX_DEPTH = SpecFitPolicy.default_max_depth
 #: Largest branching factor accepted: a level drafts ``tree_top_k ** 2`` nodes, and the tree
 #: mask and draft cache grow with the square of the tree size (EAGLE-3 uses 10, Qwen3 recipes 4).
 MAX_TREE_TOP_K = 32
@@ -36,9 +34,7 @@ class SpecFitConfig(GenerationConfig):
     """Generation config for tree speculative decoding.
 
     Args:
-        max_depth: draft levels per cycle at most; a policy may stop earlier.  Default: the
-            policy's (``specfit``: 12, :data:`SPECFIT_MAX_DEPTH`, as it stops drafting on its own;
-            the others: EAGLE-3's 7).
+        max_depth: draft levels per cycle (EAGLE-3: 7).  A policy may stop earlier.
         tree_top_k: branching factor of the draft tree: each expanded node gets its
             ``tree_top_k`` most likely children and the ``tree_top_k`` best nodes of a level
             (by cumulative draft probability) are expanded (EAGLE-3: 10).
@@ -57,7 +53,7 @@ class SpecFitConfig(GenerationConfig):
 
     def __init__(
         self,
-        max_depth: int | None = None,
+        max_depth: int = EAGLE3_DEFAULTS["max_depth"],
         tree_top_k: int = EAGLE3_DEFAULTS["tree_top_k"],
         max_verify_nodes: int = EAGLE3_DEFAULTS["max_verify_nodes"],
         policy: str = "specfit",
@@ -65,8 +61,6 @@ class SpecFitConfig(GenerationConfig):
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__, which calls validate().
-        if max_depth is None:
-            max_depth = policy_class(policy).default_max_depth if isinstance(policy, str) else 1
         self.max_depth = _integer("max_depth", max_depth)
         self.tree_top_k = _integer("tree_top_k", tree_top_k)
         self.max_verify_nodes = _integer("max_verify_nodes", max_verify_nodes)

@@ -39,8 +39,8 @@ fitted over the chains' and probes' cycles (non-negative least squares, ~50 cycl
 memory).  Every kind is charged ``t_expert * (m + (a + b m) N(nodes))`` per cycle with
 ``m`` the *current* mean: kinds measured in a cold phase and kinds measured in a warm one
 compare as if measured now.  (Priced per node, deeper chains looked dearer than they are
-where the text repeats: 4090 twin, host time frozen, 32 + 32 prompts: GSM8K at half cache
-1.75x -> 1.78x plain decoding with depths up to 12, 2.28x -> 2.44x at 75 %.)
+where the text repeats: 4090 twin, host time frozen, 32 + 32 prompts, GSM8K at 25 / 50 / 75 %
+cache: 1.11x / 1.74x / 2.28x plain decoding -> 1.22x / 1.78x / 2.31x; CNN/DM at 75 %: 1.42x -> 1.50x.)
 
 The tree's nodes are not a chain's: its search verifies the nodes whose experts are resident, so its ``a + b m`` is
 scaled by what its own nodes loaded against what the fit said they would (its own ratio,

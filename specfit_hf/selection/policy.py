@@ -53,8 +53,6 @@ class SelectionPolicy:
     #: The longest prompt-lookup chain the policy may verify (0: it takes no proposals, and the
     #: loop keeps no n-gram index of the context).
     lookup_tokens: int = 0
-    #: ``SpecFitConfig.max_depth`` when the config does not set it (EAGLE-3's 7).
-    default_max_depth: int = 7
 
     def __init__(self, config: GenerationConfig) -> None:
         self.config = config

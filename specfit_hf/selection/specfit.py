@@ -16,7 +16,7 @@ After every draft level :meth:`SpecFitPolicy.select` runs the recipe:
    (:class:`~.lookahead.LookAhead`): the drafting width is part of the decision.
 
 Before drafting (the empty tree) the drafting gate picks the kind of cycle
-(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1-12 levels, or the
+(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1 to ``max_depth`` levels, or the
 adaptive tree above, whichever measurably delivers the most tokens per second here --
 so the policy degrades to plain decoding or a short chain wherever the draft, link or
 host make those faster, and runs the tree wherever it pays.  Then the cycle's
@@ -78,10 +78,6 @@ class SpecFitPolicy(SelectionPolicy):
 
     options_class = SpecFitOptions
     options: SpecFitOptions
-    #: A cap, not a target: the policy stops drafting where another level stops paying, and where
-    #: the draft is right most of the time (GSM8K answers, 4090 twin, half cache) a chain of 10
-    #: delivers more than EAGLE-3's depth 7 (1.82x plain decoding against 1.79x).
-    default_max_depth = 12
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
