@@ -193,11 +193,11 @@ def default_variants(
     variants.extend(lookup_family())
     if static_best is not None:
         variants.append(Variant("static-best", "eagle3", config=static_variant(static_best).config))
-    specfit = dict(EAGLE3_DEFAULTS)  # the same tree settings as EAGLE-3's rows
-    variants.append(Variant("specfit", "specfit", config=dict(specfit)))
-    variants.append(Variant("specfit-eagle", "specfit", config={**specfit, "policy_kwargs": {"lookup_tokens": 0}}))
+    variants.append(Variant("specfit", "specfit", config=dict(EAGLE3_DEFAULTS)))
+    variants.append(Variant("specfit-eagle", "specfit",
+                            config={**EAGLE3_DEFAULTS, "policy_kwargs": {"lookup_tokens": 0}}))
     variants.append(Variant("specfit-tree", "specfit",
-                            config={**specfit, "policy_kwargs": {"adaptive_drafting": False}}))
+                            config={**EAGLE3_DEFAULTS, "policy_kwargs": {"adaptive_drafting": False}}))
     if include_oracle and "oracle" in available_policies():
         variants.append(Variant("oracle", "oracle", config=dict(EAGLE3_DEFAULTS)))
     return variants

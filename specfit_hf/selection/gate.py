@@ -245,12 +245,14 @@ _CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added 
 _NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings as many new experts as depth d - 1 (the root: all)
 
 
-def _novel(novelty: np.ndarray, nodes: float) -> float:
-    """:func:`chain_novelty` at ``nodes`` (interpolated; past the deepest depth, each more node adds what it does)."""
+def _novel(novelty: np.ndarray, nodes: float | np.ndarray) -> float | np.ndarray:
+    """:func:`chain_novelty` at ``nodes`` (a count or an array of them; interpolated, and past the deepest
+    depth each more node adds what that depth did)."""
     last = novelty.size - 1
-    if nodes <= last:
-        return float(np.interp(nodes, np.arange(novelty.size), novelty))
-    return float(novelty[last] + (nodes - last) * (novelty[last] - novelty[last - 1]))
+    x = np.asarray(nodes, dtype=np.float64)
+    out = np.interp(np.minimum(x, last), np.arange(novelty.size), novelty)
+    out = out + np.maximum(x - last, 0.0) * (novelty[last] - novelty[last - 1])
+    return float(out) if out.ndim == 0 else out
 
 
 def chain_novelty(state: DraftingMeasurements) -> np.ndarray:
@@ -289,9 +291,9 @@ def kind_depth(kind: str) -> int:
 PROBE = probe_kind(0)  # a plain step that drafts a chain it does not verify
 
 
-def chain_kinds(max_chain: int) -> list[str]:
-    """The kinds of cycle the gate ranks: plain, chains of ``1..max_chain`` levels (at most 16), the adaptive tree."""
-    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_chain) + 1)), "tree"]
+def chain_kinds(max_depth: int) -> list[str]:
+    """The kinds of cycle the gate ranks: plain, chains of 1..min(16, max_depth) levels, the adaptive tree."""
+    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_depth) + 1)), "tree"]
 
 
 class DraftingGate:
@@ -445,8 +447,7 @@ class DraftingGate:
             return None
         loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
         per_new = verify.t_novel + self.state.t_expert * loads
-        novelty = self.novelty()
-        added = np.diff(np.array([_novel(novelty, h) for h in range(depth + 1)]))
+        added = np.diff(_novel(self.novelty(), np.arange(depth + 1)))
         return verify.t_token + per_new * added
 
     def ranked_figures(self) -> dict[str, tuple[float, float]]:
@@ -661,9 +662,9 @@ class DraftingGate:
                 if kind != LOOKUP:
                     state.root_loads = root if state.root_loads is None else (
                         (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
-                if state.call_cycle <= _START_CYCLES and kind != LOOKUP:
-                    state.start_loads = float(root) if state.start_loads is None else (
-                        (1 - _START_EMA) * state.start_loads + _START_EMA * root)
+                    if state.call_cycle <= _START_CYCLES:
+                        state.start_loads = float(root) if state.start_loads is None else (
+                            (1 - _START_EMA) * state.start_loads + _START_EMA * root)
         # the tree's cycles keep the reference chain's tokens at the acceptance they were chosen under
         chain_tokens = self.chain_tokens() if kind == "tree" else None
         reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
