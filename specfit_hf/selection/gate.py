@@ -15,9 +15,10 @@ it is the adaptive tree wherever the tree pays.
 **One acceptance for every chain.**  Acceptance follows the text: a stretch of copied
 numbers accepts nearly everything, a fresh sentence little.  Kinds measured in different
 stretches cannot be compared by their own tokens per cycle, so a chain's tokens come from
-one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..12``, pooled over
+one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..16``, pooled over
 every chain cycle (about the last ten weigh most; a depth not reached lately falls back to
-its long-run rate): ``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost
+its long-run rate, and a depth seldom reached at all to the depth above it):
+``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost
 per cycle.  The tree's tokens are its own, scaled down (never up) by how much the chains'
 acceptance fell since its cycles ran.
 
@@ -237,6 +238,7 @@ _NODE_RIDGE = 1.0  # pseudo-observations pulling (a, b) toward (0, 1): a node lo
 _DEPTH_FAST = 0.05  # per-cycle forgetting of the recent per-depth acceptance (~20 cycles: the text's phase)
 _DEPTH_SLOW = 0.01  # ... of the long-run one, which stands in where recent cycles did not reach a depth
 _DEPTH_PRIOR = 2.0  # pseudo-trials of the long-run acceptance added to the recent counts
+_LONG_RUN_PRIOR = 4.0  # pseudo-trials of the depth above's long-run acceptance added to a depth's own
 _OWN_NODE_PRIOR = 2.0  # pseudo-loads: before a tree's (or lookup chain's) cycles, its nodes load what a chain's do
 _OWN_NODE_KINDS = ("tree", LOOKUP)  # kinds whose verified nodes are priced by their own loads against the chain fit
 _REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
@@ -468,9 +470,19 @@ class DraftingGate:
         fast, slow = self.state.depth_fast, self.state.depth_slow
         if slow[1, 0] <= 0:
             return None
-        overall = (slow[0, 0] + 1.0) / (slow[1, 0] + 2.0)  # depth 1, Laplace: one lucky cycle is not certainty
-        long_run = (slow[0] + overall) / (slow[1] + 1.0)
-        return (fast[0] + _DEPTH_PRIOR * long_run) / (fast[1] + _DEPTH_PRIOR)
+        # The recent counts are shrunk toward the long-run rate of the *older* outcomes (the slow
+        # counts hold the recent ones too: counting them twice made one unlucky outcome weigh as
+        # two), and that toward the estimate of the depth above: given the tokens before it were
+        # accepted, a draft is about as likely to go on being right (measured: flat or rising with
+        # depth).  So one unlucky probe of a depth does not price every deeper chain out for
+        # hundreds of cycles (GSM8K, 4090 twin, half cache: a first call sat on 2-token chains).
+        prior = (slow[0, 0] + 1.0) / (slow[1, 0] + 2.0)  # depth 1, Laplace: one lucky cycle is not certainty
+        older = np.maximum(slow - fast, 0.0)
+        out = np.empty(_MAX_CHAIN)
+        for d in range(_MAX_CHAIN):
+            long_run = (older[0, d] + _LONG_RUN_PRIOR * prior) / (older[1, d] + _LONG_RUN_PRIOR)
+            prior = out[d] = (fast[0, d] + _DEPTH_PRIOR * long_run) / (fast[1, d] + _DEPTH_PRIOR)
+        return out
 
     def chain_tokens(self) -> np.ndarray | None:
         """Expected tokens per cycle of a chain of ``h`` levels, index ``h`` (0: plain).
