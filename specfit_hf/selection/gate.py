@@ -327,6 +327,7 @@ class DraftingGate:
         # derived figures, computed once per change of the measurements: (state.version, value)
         self._figures: tuple[int, dict[str, tuple[float, float]]] | None = None
         self._chain_tokens: tuple[int, np.ndarray | None] | None = None
+        self._acceptance: tuple[int, np.ndarray] | None = None
         self._novelty: tuple[int, np.ndarray] | None = None
         state.exploring, state.explore_left = None, 0
 
@@ -467,6 +468,9 @@ class DraftingGate:
         Recent chain cycles and probes (about the last twenty) weigh most; where they did not reach a
         depth, the long-run rate of that depth stands in (``None`` before any chain cycle).
         """
+        version = self.state.version
+        if self._acceptance is not None and self._acceptance[0] == version:
+            return self._acceptance[1]  # read by chain_tokens and, in a lookup cycle, chain_tokens_in
         fast, slow = self.state.depth_fast, self.state.depth_slow
         if slow[1, 0] <= 0:
             return None
@@ -476,13 +480,16 @@ class DraftingGate:
         # accepted, a draft is about as likely to go on being right (measured: flat or rising with
         # depth).  So one unlucky probe of a depth does not price every deeper chain out for
         # hundreds of cycles (GSM8K, 4090 twin, half cache: a first call sat on 2-token chains).
-        prior = (slow[0, 0] + 1.0) / (slow[1, 0] + 2.0)  # depth 1, Laplace: one lucky cycle is not certainty
-        older = np.maximum(slow - fast, 0.0)
-        out = np.empty(_MAX_CHAIN)
-        for d in range(_MAX_CHAIN):
-            long_run = (older[0, d] + _LONG_RUN_PRIOR * prior) / (older[1, d] + _LONG_RUN_PRIOR)
-            prior = out[d] = (fast[0, d] + _DEPTH_PRIOR * long_run) / (fast[1, d] + _DEPTH_PRIOR)
-        return out
+        prior = float(slow[0, 0] + 1.0) / float(slow[1, 0] + 2.0)  # depth 1, Laplace: one lucky cycle is not certainty
+        (old_hits, old_tries), (hits, tries) = np.maximum(slow - fast, 0.0).tolist(), fast.tolist()
+        out = []
+        for d in range(_MAX_CHAIN):  # a recurrence over the depths, on host floats
+            long_run = (old_hits[d] + _LONG_RUN_PRIOR * prior) / (old_tries[d] + _LONG_RUN_PRIOR)
+            prior = (hits[d] + _DEPTH_PRIOR * long_run) / (tries[d] + _DEPTH_PRIOR)
+            out.append(prior)
+        acceptance = np.array(out)
+        self._acceptance = (version, acceptance)
+        return acceptance
 
     def chain_tokens(self) -> np.ndarray | None:
         """Expected tokens per cycle of a chain of ``h`` levels, index ``h`` (0: plain).
