@@ -31,14 +31,15 @@ if TYPE_CHECKING:  # annotations only: the offload stage never imports this modu
 __all__ = ["DraftTree", "LookupProposal", "Selection", "VerifyResult", "CycleRecord", "CycleContext", "OracleProbe"]
 
 
-def _flat_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.reshape(-1).to(dtype).cpu()``, skipping the steps that would change nothing (each
+def _flat_host(t: torch.Tensor | np.ndarray, dtype: type) -> np.ndarray:
+    """``t`` as a flat host array of ``dtype``, skipping the steps that would change nothing (each
     costs a few microseconds, and :meth:`DraftTree.add_level` runs after every draft level)."""
-    if t.dim() != 1:
+    if isinstance(t, torch.Tensor):
+        t = (t if t.is_cpu else t.cpu()).numpy()
+    t = np.asarray(t)
+    if t.ndim != 1:
         t = t.reshape(-1)
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    return t if t.is_cpu else t.cpu()
+    return t if t.dtype == dtype else t.astype(dtype)
 
 
 @dataclass
@@ -72,52 +73,55 @@ class DraftTree:
     root_hidden: torch.Tensor | None = None
     num_levels: int = 0
     source: str = "draft"
+    # host buffers behind the fields, and the field tensors made from them (see add_level)
+    _buffers: tuple[np.ndarray, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _views: tuple[torch.Tensor, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
 
     def add_level(
         self,
-        tokens: torch.Tensor,
-        parents: torch.Tensor,
-        draft_probs: torch.Tensor,
+        tokens: torch.Tensor | np.ndarray,
+        parents: torch.Tensor | np.ndarray,
+        draft_probs: torch.Tensor | np.ndarray,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append one level of nodes; returns the indices of the new nodes.
 
         ``parents`` index existing nodes (or ``-1`` for the root).  Path probabilities
-        and depths are derived here so every drafter computes them the same way.
+        and depths are derived here so every drafter computes them the same way.  The
+        fields may come as tensors or host (numpy) arrays.
         """
-        tokens = _flat_cpu(tokens, torch.long)
-        parents = _flat_cpu(parents, torch.long)
-        draft_probs = _flat_cpu(draft_probs, torch.float64)
-        m = tokens.numel()
-        if not (m == parents.numel() == draft_probs.numel()):
+        tokens = _flat_host(tokens, np.int64)
+        parents = _flat_host(parents, np.int64)
+        draft_probs = _flat_host(draft_probs, np.float64)
+        m = tokens.size
+        if not (m == parents.size == draft_probs.size):
             raise ValueError("tokens, parents and draft_probs must have the same length")
         n0 = len(self)
-        # Derived fields in numpy: this runs after every draft level, and a torch op on a
-        # few rows costs 5-20 us of dispatch where numpy costs about one.
-        p = parents.numpy()
-        listed = p.tolist()  # (min / max of a few Python ints beat numpy's reductions)
+        listed = parents.tolist()  # (min / max of a few Python ints beat numpy's reductions)
         if m and max(listed) >= n0:
             raise ValueError("a node's parent must already be in the tree")
+        # The fields grow in host buffers, each new level written in place and the fields made
+        # views of them: this runs after every draft level, where concatenating five tensors
+        # and converting between torch and numpy cost several microseconds each.
+        buf = self._grow(n0 + m)
         if n0 == 0:  # the first level: every parent is the root
-            parent_path, parent_depth = np.ones(m), np.zeros(m, dtype=np.int64)
+            parent_path, parent_depth = 1.0, 0
         elif min(listed, default=0) >= 0:  # every later level of a drafter
-            parent_path = self.path_probs.numpy()[p].astype(np.float64)
-            parent_depth = self.depths.numpy()[p].astype(np.int64)
+            parent_path, parent_depth = buf[4][parents], buf[2][parents]
         else:
-            parent_path = np.ones(m)
-            parent_depth = np.zeros(m, dtype=np.int64)
-            has_parent = p >= 0
-            parent_path[has_parent] = self.path_probs.numpy()[p[has_parent]]
-            parent_depth[has_parent] = self.depths.numpy()[p[has_parent]]
-        # (cat promotes the float fields to float64, as the new rows are)
-        self.tokens = torch.cat([self.tokens, tokens])
-        self.parents = torch.cat([self.parents, parents])
-        self.depths = torch.cat([self.depths, torch.from_numpy(parent_depth + 1)])
-        self.draft_probs = torch.cat([self.draft_probs, draft_probs])
-        self.path_probs = torch.cat([self.path_probs, torch.from_numpy(parent_path * draft_probs.numpy())])
+            has_parent = parents >= 0
+            parent_path = np.where(has_parent, buf[4][parents], 1.0)
+            parent_depth = np.where(has_parent, buf[2][parents], 0)
+        n = n0 + m
+        for column, values in zip(buf, (tokens, parents, parent_depth + 1, draft_probs, parent_path * draft_probs)):
+            column[n0:n] = values
+        self.tokens, self.parents, self.depths, self.draft_probs, self.path_probs = views = tuple(
+            torch.from_numpy(column[:n]) for column in buf
+        )
+        self._views = views
         if hidden is not None:
             if hidden.dim() != 2 or hidden.shape[0] != m:
                 hidden = hidden.reshape(m, -1)
@@ -128,7 +132,24 @@ class DraftTree:
                     hidden = hidden.to(self.hidden)
                 self.hidden = torch.cat([self.hidden, hidden])
         self.num_levels += 1
-        return torch.from_numpy(np.arange(n0, n0 + m))
+        return torch.from_numpy(np.arange(n0, n))
+
+    def _grow(self, size: int) -> tuple[np.ndarray, ...]:
+        """Host buffers (tokens, parents, depths, draft_probs, path_probs) holding the fields, with room
+        for ``size`` nodes; rebuilt from the fields when they were set from outside (a lookup chain, a
+        hand-made tree) rather than by :meth:`add_level`."""
+        fields = (self.tokens, self.parents, self.depths, self.draft_probs, self.path_probs)
+        buf, views = self._buffers, self._views
+        if buf is None or views is None or any(f is not v for f, v in zip(fields, views)):
+            buf = None
+        if buf is None or buf[0].size < size:
+            n0 = len(self)
+            capacity = max(16, 2 * size)
+            grown = tuple(np.empty(capacity, dtype=d) for d in (np.int64,) * 3 + (np.float64,) * 2)
+            for column, f in zip(grown, fields):
+                column[:n0] = f.reshape(-1)[:n0].cpu().numpy()
+            buf = self._buffers = grown
+        return buf
 
     def level(self, depth: int) -> torch.Tensor:
         """Indices of the nodes at ``depth``."""

@@ -489,3 +489,30 @@ def test_generate_sampling_runs_with_eagle3_draft(target):
     out = target.generate(prompt, assistant_model=tiny_draft(), generation_config=cfg)
     assert out.shape == (1, 20) and torch.equal(out[:, :8], prompt)
     assert int(out.max()) < VOCAB
+
+
+def test_rms_norm_fast_path_is_bitwise_the_module():
+    """The draft's norms run as one fused op at float32 CPU inference: the same bits as LlamaRMSNorm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specfit_hf.eagle3.modeling import RMSNorm
+
+    torch.manual_seed(0)
+    for hidden in (8, 128, 200):
+        fast, ref = RMSNorm(hidden, eps=1e-6), LlamaRMSNorm(hidden, eps=1e-6)
+        with torch.no_grad():
+            fast.weight.copy_(torch.randn(hidden))
+            ref.weight.copy_(fast.weight)
+        for shape in ((1, 1, hidden), (1, 7, hidden), (3, hidden), (2, 60, hidden)):
+            x = torch.randn(shape) * 4
+            with torch.no_grad():
+                assert torch.equal(fast(x), ref(x))
+            # training (gradients on) and other dtypes run the module's own code
+            assert torch.equal(fast(x), ref(x))
+            xb = x.to(torch.bfloat16)
+            with torch.no_grad():
+                assert torch.equal(fast.to(torch.bfloat16)(xb), ref.to(torch.bfloat16)(xb))
+            fast.float(), ref.float()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    RMSNorm(8)(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

@@ -142,3 +142,24 @@ def test_nonnegative_ridge_closed_form_matches_the_normal_equations_with_bounds(
         assert np.allclose(got, reference(x.T @ x, x.T @ y, prior, ridge), atol=1e-9)
         clipped += int((got == 0).any())
     assert clipped > 100  # the bound is exercised, not only the interior solution
+
+
+def test_add_level_grows_in_place_without_changing_earlier_views():
+    """Levels are written into host buffers behind the fields: a field read earlier keeps its values,
+    growth past the first buffer keeps every row, and numpy inputs are taken as tensors are."""
+    tree = DraftTree(root_token=3)
+    tree.add_level(np.array([10]), np.array([-1]), np.array([0.5]))
+    first_tokens, first_paths = tree.tokens, tree.path_probs
+    for depth in range(1, 40):  # a chain past the initial capacity
+        tree.add_level(np.array([10 + depth]), np.array([depth - 1]), torch.tensor([0.5]))
+    assert first_tokens.tolist() == [10] and first_paths.tolist() == [0.5]
+    assert tree.tokens.tolist() == list(range(10, 50))
+    assert tree.parents.tolist() == list(range(-1, 39))
+    assert tree.depths.tolist() == list(range(1, 41))
+    assert tree.path_probs.tolist() == [0.5 ** d for d in range(1, 41)]
+    # fields replaced from outside are what the next level builds on
+    tree.tokens = tree.tokens.clone()
+    tree.tokens[0] = 99
+    tree.add_level(np.array([7, 8]), np.array([39, -1]), np.array([1.0, 0.25]))
+    assert tree.tokens[0].item() == 99 and tree.tokens[-2:].tolist() == [7, 8]
+    assert tree.depths[-2:].tolist() == [41, 1] and tree.path_probs[-1].item() == 0.25

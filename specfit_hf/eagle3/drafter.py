@@ -93,7 +93,7 @@ class Eagle3TreeDrafter(Drafter):
     def _empty_state(self) -> _DrafterState:
         return _DrafterState(DraftKVCache(), [], None, 0, None)
 
-    def _run(self, tokens: np.ndarray, hidden: torch.Tensor, positions: range | np.ndarray, mask: torch.Tensor):
+    def _run(self, tokens: np.ndarray, hidden: torch.Tensor, positions: range | np.ndarray, mask: torch.Tensor | None):
         """One draft forward over ``m`` rows appended to the cache -> (next hidden, layer output).
 
         ``tokens`` (target ids) and ``positions`` (a ``range`` or an int array) are host
@@ -211,9 +211,10 @@ class Eagle3TreeDrafter(Drafter):
         if self._state.cache.length != self._stable_len + n0:
             raise RuntimeError("draft cache and tree are out of step")
         if self._ancestors is None and m == 1:
-            # The tree stays a chain (most drafting cycles): the new node sees every slot,
-            # so its mask is all zeros and no ancestor rows are needed.
-            mask = torch.zeros((1, 1, 1, self._stable_len + n0 + 1), dtype=self.dtype, device=self.device)
+            # The tree stays a chain (most drafting cycles): the new node sees every slot, so it
+            # needs no mask (attention over all keys; the same values as an all-zero additive
+            # mask, one allocation less) and no ancestor rows.
+            mask = None
         else:
             # ancestor-or-self relation among tree nodes (a chain's is the lower triangle),
             # grown by one block per level
@@ -240,7 +241,7 @@ class Eagle3TreeDrafter(Drafter):
         self._level_start, self._level_hidden = n0, nxt
         # exp in torch, as before (numpy's float32 exp may differ in the last bit), then float64 as the tree keeps
         draft_probs = torch.from_numpy(np.ascontiguousarray(logp)).exp().numpy().astype(np.float64)
-        tree.add_level(torch.from_numpy(tokens), torch.from_numpy(parents), torch.from_numpy(draft_probs), hidden=nxt)
+        tree.add_level(tokens, parents, draft_probs, hidden=nxt)
 
     @without_grad
     def commit(self, tree: DraftTree, result: VerifyResult, target_features: torch.Tensor | None) -> None:

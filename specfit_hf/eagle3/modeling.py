@@ -63,6 +63,25 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
+class RMSNorm(LlamaRMSNorm):
+    """``LlamaRMSNorm`` (same weights and checkpoint keys) that, at inference on float32 CPU tensors,
+    runs as the single fused ``F.rms_norm`` -- bitwise the same result as the module's six ops
+    (``tests/test_eagle3.py`` checks it), in one dispatch: the draft runs four norms in every
+    level, where each small op costs microseconds.  Other dtypes, devices and training keep the
+    module's own code."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            hidden_states.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and hidden_states.is_cpu
+            and not torch.is_grad_enabled()
+        ):
+            return F.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
+        return super().forward(hidden_states)
+
+
 class Eagle3Attention(nn.Module):
     """Self-attention whose q/k/v read the 2·H concatenation of token and hidden streams."""
 
@@ -119,9 +138,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = bool(config.norm_before_residual)
         self.self_attn = Eagle3Attention(config)
         self.mlp = Eagle3MLP(config)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -219,12 +238,12 @@ class Eagle3DraftModel(PreTrainedModel):
         h, ht = config.hidden_size, config.target_hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList([LlamaRMSNorm(ht, eps=config.rms_norm_eps) for _ in range(3)])
+            self.fc_norm = nn.ModuleList([RMSNorm(ht, eps=config.rms_norm_eps) for _ in range(3)])
         else:
             self.fc_norm = None
         self.fc = nn.Linear(3 * ht, h, bias=bool(config.fc_bias))
         self.midlayer = Eagle3DecoderLayer(config)
-        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))

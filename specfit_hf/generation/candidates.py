@@ -24,7 +24,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..clock import clock
 from ..selection import SelectionPolicy
-from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult, _flat_cpu
+from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult, _flat_host
 from .causal_lm_drafter import CausalLMTreeDrafter
 from .drafter import Drafter
 from .lookup import PromptLookup
@@ -102,7 +102,7 @@ def _block_arrays(tree: DraftTree, nodes: torch.Tensor) -> tuple[np.ndarray, ...
     Index bookkeeping in numpy: a microsecond an op, where a torch op on these few rows
     costs 5-20 (this runs every drafting cycle).
     """
-    nodes = np.sort(_flat_cpu(nodes, torch.long).numpy())
+    nodes = np.sort(_flat_host(nodes, np.int64))
     n = nodes.size
     if nodes.tolist() == list(range(n)):
         # The first n nodes (a chain, or any prefix of creation order): node i is block
