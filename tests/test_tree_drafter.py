@@ -91,3 +91,18 @@ def test_candidate_generator_contract():
     assert torch.equal(ids[:, : prompt.shape[1]], prompt)
     assert cand.attention_mask.shape == (1, 1, 6, 3 + 6)
     assert cand.position_ids[0].tolist() == [3 + d for d in cand.depths.tolist()]
+
+
+def test_draft_level_benchmark_times_chains(example_module):
+    """examples/bench_draft_level.py grows 1-child chains of the asked depth and reports a per-level time."""
+    from transformers import AutoModelForCausalLM
+
+    from specfit_hf import Eagle3DraftModel
+    from specfit_hf.data import default_model_paths
+
+    module = example_module("bench_draft_level")
+    paths = default_model_paths()
+    target = AutoModelForCausalLM.from_pretrained(paths.target)
+    draft = Eagle3DraftModel.from_pretrained(paths.draft)
+    seconds = module.chain_level_seconds(target, draft, prompt_len=16, depth=4, reps=2, trees_per_rep=1)
+    assert 0.0 < seconds < 1.0
