@@ -112,9 +112,9 @@ class DraftTree:
         elif min(listed, default=0) >= 0:  # every later level of a drafter
             parent_path, parent_depth = buf[4][parents], buf[2][parents]
         else:
-            has_parent = parents >= 0
-            parent_path = np.where(has_parent, buf[4][parents], 1.0)
-            parent_depth = np.where(has_parent, buf[2][parents], 0)
+            has_parent, rows = parents >= 0, np.maximum(parents, 0)
+            parent_path = np.where(has_parent, buf[4][rows], 1.0)
+            parent_depth = np.where(has_parent, buf[2][rows], 0)
         n = n0 + m
         for column, values in zip(buf, (tokens, parents, parent_depth + 1, draft_probs, parent_path * draft_probs)):
             column[n0:n] = values
@@ -139,10 +139,8 @@ class DraftTree:
         for ``size`` nodes; rebuilt from the fields when they were set from outside (a lookup chain, a
         hand-made tree) rather than by :meth:`add_level`."""
         fields = (self.tokens, self.parents, self.depths, self.draft_probs, self.path_probs)
-        buf, views = self._buffers, self._views
-        if buf is None or views is None or any(f is not v for f, v in zip(fields, views)):
-            buf = None
-        if buf is None or buf[0].size < size:
+        buf = self._buffers
+        if buf is None or any(f is not v for f, v in zip(fields, self._views)) or buf[0].size < size:
             n0 = len(self)
             capacity = max(16, 2 * size)
             grown = tuple(np.empty(capacity, dtype=d) for d in (np.int64,) * 3 + (np.float64,) * 2)
