@@ -57,7 +57,7 @@ from .clock import clock
 from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
-from .selection import available_policies, mape, mape_floors
+from .selection import available_policies, forget_measurements, mape, mape_floors
 
 if TYPE_CHECKING:
     from .twin import Twin
@@ -359,11 +359,18 @@ def run_variant(
     prompt_index: int = 0,
     run: int = 0,
     seed: int = 0,
+    first_call: bool = False,
 ) -> PromptRun:
-    """Generate for one prompt with one variant, from a flushed expert cache."""
+    """Generate for one prompt with one variant, from a flushed expert cache.
+
+    ``first_call``: forget what SpecFit measured in earlier calls first
+    (:func:`~specfit_hf.selection.forget_measurements`): the generation is a fresh process's first.
+    """
     runtime = get_runtime(target)
     if runtime is None:
         raise ValueError("attach offload_experts() to the target first")
+    if first_call:
+        forget_measurements()
     runtime.flush()
     runtime.persistent = variant.persistent_cache
     if input_ids.is_cuda:
@@ -575,6 +582,7 @@ def run_benchmark(
     virtual_link: bool = True,
     progress: bool = True,
     twin: "str | Twin | None" = None,
+    first_call: bool = False,
 ) -> dict[str, Any]:
     """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
 
@@ -594,6 +602,8 @@ def run_benchmark(
         twin: a device twin (:mod:`specfit_hf.twin`): the clock charges the twin's modeled time
             for target/draft forwards and expert transfers (``links`` is then ignored; rows'
             ``link`` is the twin's name; ``meta["twin"]`` holds every constant and the scaling).
+        first_call: every generation starts from nothing measured (what a process's first ``generate``
+            gets; by default later calls on a cell's runtime start from what earlier ones measured).
     """
     if get_runtime(target) is not None:
         raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
@@ -673,7 +683,8 @@ def run_benchmark(
             for run in range(runs):
                 for i, x in enumerate(ids[category]):
                     for v in vs:
-                        r = run_variant(target, draft, x, v, max_new_tokens, prompt_index=i, run=run, seed=run)
+                        r = run_variant(target, draft, x, v, max_new_tokens, prompt_index=i, run=run, seed=run,
+                                        first_call=first_call)
                         if v.policy is None and run == 0:
                             reference[i] = r.new_tokens
                         cell_runs.append(r)
@@ -699,6 +710,7 @@ def run_benchmark(
         "prompts_per_category": {c: len(v) for c, v in ids.items()},
         "links": {r.name: asdict(r) | {"rho": r.rho} for r in regimes if r is not None},
         "offload_policy": offload_policy,
+        "first_call": first_call,
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
         "emulated_link": emulated and twin is None,

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --twin: real time stands still, so every duration is the twin's modeled forwards and "
                    "transfers and host Python costs nothing; runs are deterministic (the policies' decisions "
                    "compared without timing noise), and the rows are not what a user gets")
+    b.add_argument("--first-call", action="store_true",
+                   help="every generation starts from nothing SpecFit measured before (what a process's first "
+                   "generate call gets; by default a cell's later prompts start from what earlier ones measured)")
 
     r = sub.add_parser("report", help="merge several bench results.json files into one report")
     r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
@@ -314,6 +317,7 @@ def _bench_part(args: argparse.Namespace, target: Any, draft: Any, tok: Any, pro
         tune_prompts=tune or None,
         virtual_link=args.link_timing == "virtual",
         twin=twin,
+        first_call=args.first_call,
     )
 
 

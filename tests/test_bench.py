@@ -281,3 +281,31 @@ def test_merge_results_concatenates_cells_and_refuses_duplicates(tmp_path):
     assert len(json.loads((tmp_path / "m" / "results.json").read_text())["runs"]) == 4
     with pytest.raises(SystemExit, match="no results.json"):
         main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])
+
+
+def test_first_call_forgets_what_earlier_generations_measured(pair, monkeypatch):
+    """``first_call`` runs every generation from nothing measured: the shared drafting and acceptance
+    registries are empty when each one starts, and the rows say so."""
+    import specfit_hf.bench as bench
+    from specfit_hf.selection import acceptance, gate
+
+    target, draft = pair
+    seen = []
+    original = bench.forget_measurements
+
+    def spy():
+        original()
+        seen.append((len(gate._SHARED), len(acceptance._SHARED)))
+
+    monkeypatch.setattr(bench, "forget_measurements", spy)
+    variants = [Variant("autoregressive", None), Variant("specfit", "specfit", config={"max_depth": 3, "tree_top_k": 2})]
+    prompts = {"math_reasoning": ["Question: 2+2?", "Question: why?"]}
+    kept = run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.5,), links=(FAST,),
+                         variants=variants, max_new_tokens=8, progress=False)
+    assert not seen and kept["meta"]["first_call"] is False
+    assert len(gate._SHARED) > 0 and len(acceptance._SHARED) > 0  # measurements carried between calls
+    fresh = run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.5,), links=(FAST,),
+                          variants=variants, max_new_tokens=8, progress=False, first_call=True)
+    assert seen == [(0, 0)] * 4  # before each of the 2 prompts x 2 policies, nothing kept
+    assert fresh["meta"]["first_call"] is True
+    assert all(r["outputs_identical_to_autoregressive"] for r in fresh["runs"])

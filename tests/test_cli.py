@@ -26,6 +26,7 @@ def test_parser_defaults_and_exclusive_cache_options():
     assert args.policy == "specfit" and args.max_new_tokens == 64 and args.temperature == 0.0
     args = p.parse_args(["bench", "--cache-fractions", "0.25", "0.5", "--link", "qwen3-pcie4", "qwen3-pcie5"])
     assert args.cache_fractions == [0.25, 0.5] and args.link == ["qwen3-pcie4", "qwen3-pcie5"]
+    assert args.first_call is False and p.parse_args(["bench", "--first-call"]).first_call is True
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "--prompt", "x", "--offload-slots", "4", "--cache-fraction", "0.5"])
 

@@ -1044,3 +1044,40 @@ def test_best_lookup_prefix_takes_a_cost_per_depth():
         assert e / t == pytest.approx(max(rates))
         # one value for every depth is the same as that value repeated
         assert best_lookup_prefix(q, root, float(node[0])) == best_lookup_prefix(q, root, np.full(q.size, node[0]))
+
+
+
+def test_max_chain_lets_fixed_chains_grow_past_the_trees_depth():
+    """``max_chain`` bounds the gate's chains apart from ``max_depth`` (the tree's): a chain of 5 levels
+    runs under ``max_depth=2``, the loop's level cap follows, and the output stays the target's."""
+    from specfit_hf import SpecFitConfig
+    from specfit_hf.clock import simulated
+    from specfit_hf.selection import SpecFitPolicy
+    from specfit_hf.selection.gate import DraftingGate
+
+    with pytest.raises(ValueError, match="max_chain"):
+        SpecFitConfig(policy_kwargs={"max_chain": 17})
+    cfg = SpecFitConfig(max_new_tokens=20, do_sample=False, max_depth=2, tree_top_k=2,
+                        return_dict_in_generate=True, policy_kwargs={"max_chain": 5, "share_drafting": False})
+    policy = SpecFitPolicy(cfg)
+    assert policy.max_levels == 5 and policy.max_depth == 2
+    assert SpecFitPolicy(SpecFitConfig(max_depth=3)).max_levels == 3  # default: the tree's depth
+    torch.set_num_threads(1)
+    target = tiny_qwen3_moe(0)
+    ids = torch.randint(3, 60, (1, 10), generator=torch.Generator().manual_seed(4))
+    reference = target.generate(ids, do_sample=False, max_new_tokens=20)
+    original = DraftingGate.choose
+
+    def five_levels(self):
+        original(self)
+        return "chain:5"
+
+    DraftingGate.choose = five_levels
+    try:
+        with simulated():
+            out = target.generate(ids, assistant_model=_noisy_copy(tiny_qwen3_moe(0)), generation_config=cfg)
+    finally:
+        DraftingGate.choose = original
+    assert torch.equal(out.sequences, reference)
+    drafting = [c.levels_drafted for c in out.cycles if c.source == "draft"]
+    assert drafting and max(drafting) == 5 and all(c.nodes_verified <= 5 for c in out.cycles)

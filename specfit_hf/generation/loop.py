@@ -182,7 +182,7 @@ def tree_speculative_decoding(
     oracle_probe = TreeOracleProbe(model, cache, runtime, mask_dtype)  # only the "oracle" policy calls it
     ctx = CycleContext(target=model, config=config, experts=experts, draft=assistant_model, oracle_probe=oracle_probe)
     lookup = PromptLookup(max_tokens=policy.lookup_tokens) if policy.lookup_tokens else None
-    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, config.max_depth, model.device, mask_dtype,
+    candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, policy.max_levels, model.device, mask_dtype,
                                                  lookup)
     records: list[CycleRecord] = []
 

@@ -33,7 +33,7 @@ from .policy import (
 )
 from .quality import MeasuredSpecFitPolicy, UnionQuality
 from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
-from .specfit import SpecFitPolicy
+from .specfit import SpecFitPolicy, forget_measurements
 
 __all__ = [
     "AcceptanceCalibrator",
@@ -71,6 +71,7 @@ __all__ = [
     "select_subtree",
     "useful_nodes",
     "SpecFitPolicy",
+    "forget_measurements",
     "OraclePolicy",
     "MeasuredSpecFitPolicy",
     "UnionQuality",

@@ -25,7 +25,10 @@ from scipy.optimize import isotonic_regression
 
 from ..tree import DraftTree, Selection, VerifyResult
 
-__all__ = ["AcceptanceCalibrator", "AcceptanceModel", "path_acceptance", "acceptance_outcomes", "sibling_ranks"]
+__all__ = [
+    "AcceptanceCalibrator", "AcceptanceModel", "path_acceptance", "acceptance_outcomes", "forget_acceptance",
+    "sibling_ranks",
+]
 
 
 class AcceptanceCalibrator:
@@ -211,6 +214,11 @@ _CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred 
 # draft model -> {calibrator settings: model}; acceptance is a property of the pair, so
 # the estimates carry over from one generate call to the next with the same draft
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget_acceptance() -> None:
+    """Drop the acceptance estimates kept for every draft model (the next call starts from the priors)."""
+    _SHARED.clear()
 
 
 _MAX_RANKS = 32  # sibling ranks tracked (SpecFitConfig bounds tree_top_k to this)

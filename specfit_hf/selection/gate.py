@@ -82,7 +82,7 @@ from .lookup import LOOKUP_CONTEXTS, LookupAcceptance
 
 __all__ = [
     "LOOKUP", "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements",
-    "kind_depth", "probe_kind",
+    "forget_drafting", "kind_depth", "probe_kind",
 ]
 
 
@@ -222,8 +222,13 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     return per_key.setdefault(key, fresh)
 
 
+def forget_drafting() -> None:
+    """Drop every runtime's shared drafting measurements (the next call on any runtime starts fresh)."""
+    _SHARED.clear()
+
+
 LOOKUP = "lookup"  # a cycle verifying a prompt-lookup chain (no draft forward; not ranked: chosen per cycle)
-_MAX_CHAIN = 16  # longest fixed chain a gate may rank (SpecFitOptions.max_chain; sizes the per-depth figures)
+_MAX_CHAIN = 16  # longest fixed chain a gate may rank (bounds SpecFitOptions.max_chain; sizes the per-depth figures)
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
@@ -293,9 +298,9 @@ def kind_depth(kind: str) -> int:
 PROBE = probe_kind(0)  # a plain step that drafts a chain it does not verify
 
 
-def chain_kinds(max_depth: int) -> list[str]:
-    """The kinds of cycle the gate ranks: plain, chains of 1..min(16, max_depth) levels, the adaptive tree."""
-    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_depth) + 1)), "tree"]
+def chain_kinds(max_chain: int) -> list[str]:
+    """The kinds of cycle the gate ranks: plain, chains of 1..min(16, max_chain) levels, the adaptive tree."""
+    return ["plain", *(f"chain:{h}" for h in range(1, min(_MAX_CHAIN, max_chain) + 1)), "tree"]
 
 
 class DraftingGate:

@@ -58,6 +58,11 @@ class SelectionPolicy:
         self.config = config
         self.options = self.parse_options(getattr(config, "policy_kwargs", None))
 
+    @property
+    def max_levels(self) -> int:
+        """Draft levels a cycle may grow at most (the loop's hard cap): ``config.max_depth``."""
+        return int(getattr(self.config, "max_depth", 7))
+
     @classmethod
     def parse_options(cls, kwargs: Any) -> Any:
         """The policy's options from ``policy_kwargs``; ``ValueError`` for unknown keys or bad values."""

@@ -16,7 +16,7 @@ After every draft level :meth:`SpecFitPolicy.select` runs the recipe:
    (:class:`~.lookahead.LookAhead`): the drafting width is part of the decision.
 
 Before drafting (the empty tree) the drafting gate picks the kind of cycle
-(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1 to ``max_depth`` levels, or the
+(:class:`~.gate.DraftingGate`): plain decoding, a fixed chain of 1 to ``max_chain`` levels, or the
 adaptive tree above, whichever measurably delivers the most tokens per second here --
 so the policy degrades to plain decoding or a short chain wherever the draft, link or
 host make those faster, and runs the tree wherever it pays.  Then the cycle's
@@ -38,19 +38,19 @@ import torch
 
 from ..offload import get_runtime
 from ..tree import CycleContext, CycleRecord, DraftTree, LookupProposal, Selection, VerifyResult
-from .acceptance import AcceptanceModel
+from .acceptance import AcceptanceModel, forget_acceptance
 from .calibration import calibrate
 from .costs import CycleCostTracker, default_cost_model, node_novelty
 from .experts import make_predictor
 from .forecast import ExpertForecast
-from .gate import LOOKUP, PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements, kind_depth
+from .gate import LOOKUP, PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements, forget_drafting, kind_depth
 from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
-__all__ = ["SpecFitPolicy"]
+__all__ = ["SpecFitPolicy", "forget_measurements"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 _SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
@@ -72,6 +72,14 @@ def _last(n: int) -> torch.Tensor:
     return _LAST[n - 1] if n <= _MAX_CACHED else torch.tensor([n - 1], dtype=torch.long)
 
 
+def forget_measurements() -> None:
+    """Forget what SpecFit has measured in this process: drafting rates and costs of every offload runtime and
+    the acceptance estimates of every draft.  The next ``generate`` call starts as a fresh process's first does
+    (``specfit bench --first-call`` runs every generation so)."""
+    forget_drafting()
+    forget_acceptance()
+
+
 @register_policy("specfit")
 class SpecFitPolicy(SelectionPolicy):
     """Throughput-optimal subtree selection (see the module docstring)."""
@@ -82,6 +90,7 @@ class SpecFitPolicy(SelectionPolicy):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.max_depth = int(getattr(config, "max_depth", 7))
+        self.max_chain = self.max_depth if self.options.max_chain is None else int(self.options.max_chain)
         self.greedy = not bool(getattr(config, "do_sample", False))
         self.acceptance = AcceptanceModel.for_draft(None, dict(self.options.acceptance), share=False)
         self.costs: CycleCostTracker | None = None
@@ -110,16 +119,21 @@ class SpecFitPolicy(SelectionPolicy):
             initial = CostModel(initial.t0, initial.t_token, 0.0)
         # cycle costs depend on the policy and its settings (the oracle's include its probe); both
         # shared figures are kept per configuration, so side-by-side configurations learn apart
-        key = f"{type(self).__name__}:{self.options!r}:{self.max_depth}"
+        key = f"{type(self).__name__}:{self.options!r}:{self.max_depth}:{self.max_chain}"
         drafting = drafting_measurements(ctx.experts, ctx.draft, key, opts.explore_every, opts.share_drafting)
         self.costs = CycleCostTracker(initial, drafting, opts.online_cost)
-        self.gate = DraftingGate(drafting, opts.adaptive_drafting, chain_kinds(self.max_depth), opts.explore_every,
+        self.gate = DraftingGate(drafting, opts.adaptive_drafting, chain_kinds(self.max_chain), opts.explore_every,
                                  opts.max_explore_every)
         self.gate.start_call()
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance, key)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
         self._shadow, self._shadow_depth = [], 0
+
+    @property
+    def max_levels(self) -> int:
+        """Draft levels a cycle may grow: the tree's ``max_depth`` or the longest fixed chain, whichever is more."""
+        return max(self.max_depth, self.max_chain)
 
     @property
     def cost_model(self) -> CostModel:
@@ -164,7 +178,7 @@ class SpecFitPolicy(SelectionPolicy):
         """
         n = len(tree)
         nodes = _prefix(n)
-        if tree.num_levels < min(depth, self.max_depth) and n == tree.num_levels:
+        if tree.num_levels < min(depth, self.max_chain) and n == tree.num_levels:
             return Selection(nodes=nodes, stop=False, expand=_last(n), children=1)
         figures = self.gate.ranked_figures().get(self._kind)
         chain = n == tree.num_levels
@@ -190,7 +204,7 @@ class SpecFitPolicy(SelectionPolicy):
         The unverified tokens are compared with what the target commits (:meth:`observe`).
         """
         n = len(tree)
-        if tree.num_levels < min(depth + PROBE_DEPTH, self.max_depth) and n == tree.num_levels:
+        if tree.num_levels < min(depth + PROBE_DEPTH, self.max_chain) and n == tree.num_levels:
             return Selection(nodes=_EMPTY, stop=False, expand=_last(n), children=1)
         tokens, seconds = self.gate.ranked_figures().get(self._kind, (1.0, math.nan))
         nodes = _prefix(min(depth, n))
