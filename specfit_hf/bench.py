@@ -131,6 +131,8 @@ _STATIC_RE = re.compile(r"^static:d(\d+)k(\d+)n(\d+)$")
 # Prompt lookup decoding's proposal lengths (transformers' ``prompt_lookup_num_tokens`` defaults to 10).
 LOOKUP_FAMILY: tuple[int, ...] = (2, 4, 7, 10)
 _LOOKUP_RE = re.compile(r"^lookup:d(\d+)$")
+_CHAIN_CAP_RE = re.compile(r"^specfit:c(\d+)$")
+_PARAMETRISED = ("static:", "lookup:", "specfit:")  # label prefixes whose variant is built from the label
 
 
 def lookup_variant(label: str) -> Variant:
@@ -146,9 +148,20 @@ def lookup_family() -> list[Variant]:
     return [lookup_variant(f"lookup:d{h}") for h in LOOKUP_FAMILY]
 
 
+def chain_cap_variant(label: str) -> Variant:
+    """The variant of a ``specfit:c<h>`` label: SpecFit whose drafting gate ranks fixed chains of up to ``h`` levels
+    (``policy_kwargs={"max_chain": h}``; the tree keeps EAGLE-3's depth)."""
+    m = _CHAIN_CAP_RE.match(label)
+    if m is None or not 1 <= int(m.group(1)) <= 16:
+        raise ValueError(f"bad SpecFit chain cap label {label!r}: expected specfit:c<levels>, 1-16, e.g. specfit:c10")
+    return Variant(label, "specfit", config={**EAGLE3_DEFAULTS, "policy_kwargs": {"max_chain": int(m.group(1))}})
+
+
 def named_variant(label: str) -> Variant:
-    """The variant of a parametrised label: ``static:d<d>k<k>n<n>`` or ``lookup:d<h>``."""
-    return lookup_variant(label) if label.startswith("lookup:") else static_variant(label)
+    """The variant of a parametrised label: ``static:d<d>k<k>n<n>``, ``lookup:d<h>`` or ``specfit:c<h>``."""
+    if label.startswith("lookup:"):
+        return lookup_variant(label)
+    return chain_cap_variant(label) if label.startswith("specfit:") else static_variant(label)
 
 
 def static_label(depth: int, top_k: int, nodes: int) -> str:
@@ -208,8 +221,9 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
 
     Accepts the default labels (``autoregressive``, ``eagle3``, ``eagle3-vanilla``,
     ``eagle3-best``, ``specfit``, ``specfit-eagle``, ``specfit-tree``, ``oracle``), ``static``,
-    ``static-best``, any ``static:d<depth>k<top_k>n<nodes>``, ``lookup`` (the prompt-lookup family)
-    and any ``lookup:d<tokens>``.  Raises ``ValueError`` naming what is wrong.
+    ``static-best``, any ``static:d<depth>k<top_k>n<nodes>``, ``lookup`` (the prompt-lookup family),
+    any ``lookup:d<tokens>`` and any ``specfit:c<levels>`` (SpecFit with chains of up to that many levels).
+    Raises ``ValueError`` naming what is wrong.
     """
     known = {v.label for v in default_variants(best_n=0, static_best=static_label(*STATIC_FAMILY[0]))}
     out: list[str] = []
@@ -219,7 +233,7 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
             out.extend(static_label(*shape) for shape in STATIC_FAMILY)
         elif name == "lookup":
             out.extend(v.label for v in lookup_family())
-        elif name.startswith(("static:", "lookup:")):
+        elif name.startswith(_PARAMETRISED):
             named_variant(name)  # raises on a malformed shape
             out.append(name)
         elif name in known:
@@ -230,7 +244,8 @@ def expand_policies(policies: Sequence[str]) -> list[str]:
         raise ValueError(
             f"unknown policies {sorted(unknown)}; choose from "
             f"{sorted(known - {v.label for v in static_family() + lookup_family()})}, "
-            "'static' (the whole family), static:d<depth>k<top_k>n<nodes>, 'lookup' (its family) or lookup:d<tokens>"
+            "'static' (the whole family), static:d<depth>k<top_k>n<nodes>, 'lookup' (its family), lookup:d<tokens> "
+            "or specfit:c<levels>"
         )
     return list(dict.fromkeys(out))
 
@@ -665,9 +680,8 @@ def run_benchmark(
             else:
                 vs = default_variants(best_n, static_best=best_static)
                 if policies is not None:
-                    parametrised = ("static:", "lookup:")
-                    extra = [named_variant(p) for p in policies if p.startswith(parametrised)]
-                    vs = [v for v in vs if v.label in policies and not v.label.startswith(parametrised)] + extra
+                    extra = [named_variant(p) for p in policies if p.startswith(_PARAMETRISED)]
+                    vs = [v for v in vs if v.label in policies and not v.label.startswith(_PARAMETRISED)] + extra
                     order = {p: i for i, p in enumerate(policies)}
                     vs.sort(key=lambda v: order[v.label])
             cell_runs: list[PromptRun] = []

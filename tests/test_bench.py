@@ -237,6 +237,18 @@ def test_lookup_family_expansion_and_labels():
             expand_policies([bad])
 
 
+def test_specfit_chain_cap_labels():
+    from specfit_hf.bench import named_variant
+
+    assert expand_policies(["specfit", "specfit:c10"]) == ["specfit", "specfit:c10"]
+    v = named_variant("specfit:c10")
+    assert v.policy == "specfit" and v.config["policy_kwargs"] == {"max_chain": 10}
+    assert v.config["max_depth"] == 7  # the tree keeps EAGLE-3's depth
+    for bad in ("specfit:c0", "specfit:c17", "specfit:10", "specfit:cx"):
+        with pytest.raises(ValueError, match="chain cap label"):
+            expand_policies([bad])
+
+
 def test_static_best_is_tuned_on_other_prompts(pair):
     target, draft = pair
     prompts = {"math_reasoning": ["Question: 2+2?"]}
