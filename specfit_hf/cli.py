@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import pickle
 import statistics
 import sys
 from pathlib import Path
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--measurements", default=None, metavar="FILE",
+                   help="start SpecFit from the measurements saved in FILE (if it exists) and save them there "
+                   "afterwards, so the next run starts where this one stopped (a pickle: load only files you wrote; "
+                   "keep one per host, link, cache size and model pair)")
     _add_twin_arg(g)
 
     b = sub.add_parser("bench", help="side-by-side benchmark of decoding policies")
@@ -229,10 +234,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                            **sampling)
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tok, skip_prompt=True)
+    saved = Path(args.measurements) if args.measurements else None
+    if saved is not None and saved.is_file():
+        from .selection import import_measurements
+
+        with saved.open("rb") as f:
+            import_measurements(target, draft, pickle.load(f))
     runtime.reset_stats()
     t = clock()
     out = target.generate(ids, assistant_model=draft, generation_config=config, streamer=streamer)
     seconds = clock() - t
+    if saved is not None:
+        from .selection import export_measurements
+
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with saved.open("wb") as f:
+            pickle.dump(export_measurements(target, draft), f)
     new = out.sequences.shape[1] - ids.shape[1]
     cycles = out.cycles or []
     tau = statistics.fmean(c.tokens_committed for c in cycles) if cycles else float("nan")

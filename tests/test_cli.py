@@ -107,3 +107,22 @@ def test_bench_with_host_time_frozen_is_deterministic_and_needs_a_twin(tmp_path)
         rows.append({r["policy"]: r["decode_tokens_per_s"] for r in results["runs"]})
     assert rows[0] == rows[1]  # every duration is modeled: the same figures to the last bit
     assert set(rows[0]) == {"autoregressive", "specfit"} and all(v > 0 for v in rows[0].values())
+
+
+def test_generate_saves_and_reuses_measurements(tmp_path, capsys):
+    """``--measurements FILE``: the first run writes what SpecFit measured, the next starts from it."""
+    import pickle
+
+    from specfit_hf.cli import main
+
+    saved = tmp_path / "m" / "specfit.pkl"
+    args = ["generate", "--prompt", "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:",
+            "--max-new-tokens", "10", "--twin", "qwen3-30b-a3b@rtx4090-pcie4", "--measurements", str(saved)]
+    assert main(args) == 0
+    first = pickle.loads(saved.read_bytes())
+    assert set(first) == {"drafting", "acceptance"} and first["drafting"] and first["acceptance"]
+    cycles = sum(int(m.cycle) for m in first["drafting"].values())
+    assert main(args) == 0
+    second = pickle.loads(saved.read_bytes())
+    assert sum(int(m.cycle) for m in second["drafting"].values()) > cycles  # the second run went on counting
+    assert capsys.readouterr().out.count("[specfit]") == 2

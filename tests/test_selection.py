@@ -1081,3 +1081,65 @@ def test_max_chain_lets_fixed_chains_grow_past_the_trees_depth():
     assert torch.equal(out.sequences, reference)
     drafting = [c.levels_drafted for c in out.cycles if c.source == "draft"]
     assert drafting and max(drafting) == 5 and all(c.nodes_verified <= 5 for c in out.cycles)
+
+
+def test_imported_measurements_continue_where_the_exported_ones_stopped():
+    """``export_measurements`` -> pickle -> ``forget_measurements`` -> ``import_measurements``: the next call
+    decides cycle by cycle exactly as it would have without forgetting (a later process's first call runs as
+    a later call); outputs stay the target's."""
+    import pickle
+
+    from specfit_hf import SpecFitConfig
+    from specfit_hf.clock import simulated
+    from specfit_hf.offload import get_runtime, offload_experts
+    from specfit_hf.selection import export_measurements, forget_measurements, import_measurements
+
+    torch.set_num_threads(1)
+    target = tiny_qwen3_moe(0)
+    draft = _noisy_copy(tiny_qwen3_moe(0))
+    first, second = (torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(s)) for s in (5, 6))
+    reference = target.generate(second, do_sample=False, max_new_tokens=16)
+    with pytest.raises(ValueError, match="offload runtime"):
+        export_measurements(target, draft)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=3)
+    cfg = SpecFitConfig(max_new_tokens=16, do_sample=False, max_depth=3, tree_top_k=2, return_dict_in_generate=True)
+
+    def shapes(out):
+        return [(c.levels_drafted, c.nodes_verified, c.tokens_committed) for c in out.cycles]
+
+    try:
+        with simulated():
+            forget_measurements()
+            runtime.flush()
+            target.generate(first, assistant_model=draft, generation_config=cfg)
+            saved = pickle.dumps(export_measurements(target, draft))
+            runtime.flush()
+            continued = target.generate(second, assistant_model=draft, generation_config=cfg)
+            forget_measurements()
+            runtime.flush()
+            fresh = target.generate(second, assistant_model=draft, generation_config=cfg)
+            forget_measurements()
+            import_measurements(target, draft, pickle.loads(saved))
+            runtime.flush()
+            imported = target.generate(second, assistant_model=draft, generation_config=cfg)
+        assert torch.equal(continued.sequences, reference) and torch.equal(imported.sequences, reference)
+        assert torch.equal(fresh.sequences, reference)
+        assert shapes(imported) == shapes(continued)
+        assert shapes(fresh) != shapes(continued)  # what was measured matters: the import is not a no-op
+        with pytest.raises(ValueError, match="export_measurements"):
+            import_measurements(target, draft, {"drafting": {}})
+    finally:
+        get_runtime(target).detach()
+        forget_measurements()
+
+
+def test_carried_measurements_example_runs(example_module, capsys):
+    """examples/bench_carried_measurements.py on a reduced setting prints both ratios; a frozen clock needs a twin."""
+    module = example_module("bench_carried_measurements")
+    assert module.main(["--num-prompts", "1", "--warm-prompts", "1", "--max-new-tokens", "8",
+                        "--freeze-host-time"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1].split()
+    first, imported = float(line[2]), float(line[4])
+    assert 0 < first < 10 and 0 < imported < 10
+    with pytest.raises(SystemExit):
+        module.main(["--twin", "none", "--freeze-host-time"])

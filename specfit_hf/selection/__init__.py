@@ -33,7 +33,7 @@ from .policy import (
 )
 from .quality import MeasuredSpecFitPolicy, UnionQuality
 from .search import CostModel, SearchProblem, evaluate_subtree, select_subtree, useful_nodes
-from .specfit import SpecFitPolicy, forget_measurements
+from .specfit import SpecFitPolicy, export_measurements, forget_measurements, import_measurements
 
 __all__ = [
     "AcceptanceCalibrator",
@@ -72,6 +72,8 @@ __all__ = [
     "useful_nodes",
     "SpecFitPolicy",
     "forget_measurements",
+    "export_measurements",
+    "import_measurements",
     "OraclePolicy",
     "MeasuredSpecFitPolicy",
     "UnionQuality",

@@ -27,7 +27,7 @@ from ..tree import DraftTree, Selection, VerifyResult
 
 __all__ = [
     "AcceptanceCalibrator", "AcceptanceModel", "path_acceptance", "acceptance_outcomes", "forget_acceptance",
-    "sibling_ranks",
+    "shared_acceptance", "sibling_ranks",
 ]
 
 
@@ -214,6 +214,11 @@ _CHILD_DECAY = 0.98  # per observed parent: follows the text over a few hundred 
 # draft model -> {calibrator settings: model}; acceptance is a property of the pair, so
 # the estimates carry over from one generate call to the next with the same draft
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_acceptance(draft: object) -> dict[str, AcceptanceModel]:
+    """The acceptance models kept for ``draft``, by scope and settings (the live dict; made if missing)."""
+    return _SHARED.setdefault(draft, {})
 
 
 def forget_acceptance() -> None:

@@ -82,7 +82,7 @@ from .lookup import LOOKUP_CONTEXTS, LookupAcceptance
 
 __all__ = [
     "LOOKUP", "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements",
-    "forget_drafting", "kind_depth", "probe_kind",
+    "forget_drafting", "kind_depth", "probe_kind", "shared_drafting",
 ]
 
 
@@ -220,6 +220,11 @@ def drafting_measurements(experts: object, draft: object, key: str, interval: in
     except TypeError:  # not weak-referenceable: keep this call's own measurements
         return fresh
     return per_key.setdefault(key, fresh)
+
+
+def shared_drafting(experts: object, draft: object) -> dict[str, DraftingMeasurements]:
+    """The measurements kept for this runtime view and draft, by policy key (the live dict; made if missing)."""
+    return _SHARED.setdefault(experts, weakref.WeakKeyDictionary()).setdefault(draft, {})
 
 
 def forget_drafting() -> None:

@@ -29,6 +29,7 @@ Without an offload runtime there is no expert term.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any, Callable
@@ -38,19 +39,28 @@ import torch
 
 from ..offload import get_runtime
 from ..tree import CycleContext, CycleRecord, DraftTree, LookupProposal, Selection, VerifyResult
-from .acceptance import AcceptanceModel, forget_acceptance
+from .acceptance import AcceptanceModel, forget_acceptance, shared_acceptance
 from .calibration import calibrate
 from .costs import CycleCostTracker, default_cost_model, node_novelty
 from .experts import make_predictor
 from .forecast import ExpertForecast
-from .gate import LOOKUP, PROBE_DEPTH, DraftingGate, chain_kinds, drafting_measurements, forget_drafting, kind_depth
+from .gate import (
+    LOOKUP,
+    PROBE_DEPTH,
+    DraftingGate,
+    chain_kinds,
+    drafting_measurements,
+    forget_drafting,
+    kind_depth,
+    shared_drafting,
+)
 from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
-__all__ = ["SpecFitPolicy", "forget_measurements"]
+__all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 _SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
@@ -78,6 +88,31 @@ def forget_measurements() -> None:
     (``specfit bench --first-call`` runs every generation so)."""
     forget_drafting()
     forget_acceptance()
+
+
+def export_measurements(model: Any, draft: Any) -> dict[str, dict]:
+    """A copy of what SpecFit has measured with ``model``'s offload runtime and ``draft``: drafting rates and costs,
+    and the draft's acceptance, per policy configuration.  Plain data (picklable), for
+    :func:`import_measurements` in a later process on the same host, link, cache size and pair."""
+    runtime = get_runtime(model)
+    if runtime is None:
+        raise ValueError("export_measurements needs the target's offload runtime (offload_experts)")
+    return copy.deepcopy({"drafting": dict(shared_drafting(runtime.view(), draft)),
+                          "acceptance": dict(shared_acceptance(draft))})
+
+
+def import_measurements(model: Any, draft: Any, measurements: dict[str, dict]) -> None:
+    """Start later ``generate`` calls with ``model``'s current offload runtime and ``draft`` from ``measurements``
+    (:func:`export_measurements`, possibly from another process) instead of from nothing: a process's first call
+    then runs as a later one would.  They describe the host, link, cache size and pair they were measured on."""
+    runtime = get_runtime(model)
+    if runtime is None:
+        raise ValueError("import_measurements needs the target's offload runtime (offload_experts)")
+    if not isinstance(measurements, dict) or set(measurements) != {"drafting", "acceptance"}:
+        raise ValueError("import_measurements takes what export_measurements returned")
+    copied = copy.deepcopy(measurements)
+    shared_drafting(runtime.view(), draft).update(copied["drafting"])
+    shared_acceptance(draft).update(copied["acceptance"])
 
 
 @register_policy("specfit")
