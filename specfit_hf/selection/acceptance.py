@@ -268,7 +268,7 @@ class AcceptanceModel:
         if not share or draft is None:
             return fresh
         try:
-            per_draft = _SHARED.setdefault(draft, {})
+            per_draft = shared_acceptance(draft)
         except TypeError:  # not weak-referenceable: keep this call's own estimates
             return fresh
         return per_draft.setdefault(f"{scope}|{sorted(settings.items())!r}", fresh)

@@ -209,22 +209,21 @@ class DraftingMeasurements:
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def shared_drafting(experts: object, draft: object) -> dict[str, DraftingMeasurements]:
+    """The measurements kept for this runtime view and draft, by policy key (the live dict; made if missing)."""
+    return _SHARED.setdefault(experts, weakref.WeakKeyDictionary()).setdefault(draft, {})
+
+
 def drafting_measurements(experts: object, draft: object, key: str, interval: int, share: bool) -> DraftingMeasurements:
     """The measurements kept for this runtime, draft and ``key`` (policy + settings); new if none."""
     fresh = DraftingMeasurements(interval=interval)
     if not share or experts is None or draft is None:
         return fresh
     try:
-        per_draft = _SHARED.setdefault(experts, weakref.WeakKeyDictionary())
-        per_key = per_draft.setdefault(draft, {})
+        per_key = shared_drafting(experts, draft)
     except TypeError:  # not weak-referenceable: keep this call's own measurements
         return fresh
     return per_key.setdefault(key, fresh)
-
-
-def shared_drafting(experts: object, draft: object) -> dict[str, DraftingMeasurements]:
-    """The measurements kept for this runtime view and draft, by policy key (the live dict; made if missing)."""
-    return _SHARED.setdefault(experts, weakref.WeakKeyDictionary()).setdefault(draft, {})
 
 
 def forget_drafting() -> None:

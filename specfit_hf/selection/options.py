@@ -61,7 +61,8 @@ class SpecFitOptions:
     """The longest fixed chain the drafting gate ranks, in draft levels, 1-16 (default: ``max_depth``); the
     adaptive tree still drafts at most ``max_depth``.  Where the draft accepts nearly everything and most
     experts are resident, a chain deeper than EAGLE-3's 7 levels is the fastest simple choice (4090 twin,
-    GSM8K, 75 % cache: ``max_chain=10`` is 1.04x the default); at a small cache it is not (25 %: 0.92x)."""
+    GSM8K, 75 % cache, host time frozen: ``max_chain=10`` is 1.04x the default; 25 %: 0.92x; with real host
+    time both are within 1 %: docs/acceptance)."""
 
     explore_every: int = 8
     """Cycles between two explorations of another kind of cycle (at least)."""
