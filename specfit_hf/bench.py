@@ -598,6 +598,7 @@ def run_benchmark(
     progress: bool = True,
     twin: "str | Twin | None" = None,
     first_call: bool = False,
+    warm_prompts: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """Run the grid; returns ``{"runs": [row, ...], "meta": {...}}`` (see module docstring).
 
@@ -619,11 +620,17 @@ def run_benchmark(
             ``link`` is the twin's name; ``meta["twin"]`` holds every constant and the scaling).
         first_call: every generation starts from nothing measured (what a process's first ``generate``
             gets; by default later calls on a cell's runtime start from what earlier ones measured).
+        warm_prompts: category -> other prompts (disjoint from ``prompts``) that every SpecFit column
+            generates, unrecorded, before the cell's evaluated prompts: its first evaluated call starts
+            from what those measured, as a process that has served a few requests does (and as
+            ``static-best`` is tuned on ``tune_prompts``).  Exclusive with ``first_call``.
     """
     if get_runtime(target) is not None:
         raise ValueError("run_benchmark attaches the offload runtime itself; detach the current one")
     if variants is not None and policies is not None:
         raise ValueError("pass either variants or policies, not both")
+    if warm_prompts and first_call:
+        raise ValueError("warm_prompts and first_call exclude each other: a first call starts from nothing measured")
     if policies is not None:
         policies = expand_policies(policies)
         for tuned in ("eagle3-best", "static-best"):
@@ -643,6 +650,7 @@ def run_benchmark(
 
     ids = {c: encode(ps) for c, ps in prompts.items()}
     tune_ids = {c: encode(ps) for c, ps in (tune_prompts or {}).items()}
+    warm_ids = {c: encode(ps) for c, ps in (warm_prompts or {}).items()}
     regimes: list[LinkRegime | None] = [REGIMES[x] if isinstance(x, str) else x for x in links] if emulated else [None]
     if twin is not None:
         regimes = [None]
@@ -684,6 +692,10 @@ def run_benchmark(
                     vs = [v for v in vs if v.label in policies and not v.label.startswith(_PARAMETRISED)] + extra
                     order = {p: i for i, p in enumerate(policies)}
                     vs.sort(key=lambda v: order[v.label])
+            for v in vs:  # SpecFit keeps what earlier calls on this runtime measured: the warm prompts are those calls
+                if v.policy == "specfit":
+                    for x in warm_ids.get(category, []):
+                        run_variant(target, draft, x, v, max_new_tokens)
             cell_runs: list[PromptRun] = []
             reference: dict[int, list[int]] = {}
             inner = tqdm(
@@ -725,6 +737,7 @@ def run_benchmark(
         "links": {r.name: asdict(r) | {"rho": r.rho} for r in regimes if r is not None},
         "offload_policy": offload_policy,
         "first_call": first_call,
+        "warm_prompts_per_category": {c: len(v) for c, v in warm_ids.items()},
         "tuning": tuning,
         "torch_threads": torch.get_num_threads(),
         "emulated_link": emulated and twin is None,

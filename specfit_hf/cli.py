@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --twin: real time stands still, so every duration is the twin's modeled forwards and "
                    "transfers and host Python costs nothing; runs are deterministic (the policies' decisions "
                    "compared without timing noise), and the rows are not what a user gets")
+    b.add_argument("--warm-prompts", type=int, default=0,
+                   help="other prompts per category (after the tune prompts) that every SpecFit column generates, "
+                   "unrecorded, before the evaluated ones, as a process that has served a few requests (default 0)")
     b.add_argument("--first-call", action="store_true",
                    help="every generation starts from nothing SpecFit measured before (what a process's first "
                    "generate call gets; by default a cell's later prompts start from what earlier ones measured)")
@@ -276,6 +279,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     _check_twin(args.twin)
     if args.freeze_host_time and not args.twin:
         raise SystemExit("specfit: --freeze-host-time needs --twin (the emulated link times real CPU forwards)")
+    if args.warm_prompts < 0:
+        raise SystemExit("specfit: --warm-prompts must be >= 0")
+    if args.warm_prompts and args.first_call:
+        raise SystemExit("specfit: --warm-prompts and --first-call exclude each other")
     if args.policies:  # before loading anything: a typo fails at once
         try:
             args.policies = expand_policies(args.policies)
@@ -285,29 +292,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if device != "cpu":
         raise SystemExit("specfit bench runs the emulated-link CPU benchmark; use examples/bench_gpu.py on CUDA hosts")
     target, draft, tok = load_pair(args.model, args.draft, device)
-    tune: dict[str, list[str]] = {}
+    n, t = args.num_prompts, args.tune_prompts  # the evaluated prompts, then the tune and the warm-up ones
     if args.prompts:
-        prompts = {c: ps[: args.num_prompts] for c, ps in read_prompts_file(args.prompts).items()}
-        if args.tune_prompts:
-            tune = {c: ps[args.num_prompts: args.num_prompts + args.tune_prompts]
-                    for c, ps in read_prompts_file(args.prompts).items()}
-            tune = {c: ps for c, ps in tune.items() if ps}
+        by_category = read_prompts_file(args.prompts)
     else:
-        prompts = {}
+        by_category = {}
         for ds in args.dataset or ["cnn_dailymail", "gsm8k"]:
-            rows = load_prompts(ds, "test", n=args.num_prompts + args.tune_prompts,
-                                max_source_chars=args.max_source_chars)
-            category = rows[0]["category"]
-            prompts[category] = [r["prompt"] for r in rows[: args.num_prompts]]
-            if args.tune_prompts:
-                tune[category] = [r["prompt"] for r in rows[args.num_prompts:]]
+            rows = load_prompts(ds, "test", n=n + t + args.warm_prompts, max_source_chars=args.max_source_chars)
+            by_category[rows[0]["category"]] = [r["prompt"] for r in rows]
+    prompts = {c: ps[:n] for c, ps in by_category.items()}
+    tune: dict[str, list[str]] = {c: ps[n: n + t] for c, ps in by_category.items() if t and ps[n: n + t]}
+    warm: dict[str, list[str]] = {c: ps[n + t: n + t + args.warm_prompts] for c, ps in by_category.items()
+            if args.warm_prompts and ps[n + t: n + t + args.warm_prompts]}
     if args.policies:
         for tuned in ("eagle3-best", "static-best"):
             if tuned in args.policies and not tune:
                 raise SystemExit(f"specfit: {tuned} needs --tune-prompts > 0")
     frozen = simulated() if args.freeze_host_time else contextlib.nullcontext()
     with frozen:
-        parts = [_bench_part(args, target, draft, tok, prompts, tune, twin) for twin in (args.twin or [None])]
+        parts = [_bench_part(args, target, draft, tok, prompts, tune, warm, twin) for twin in (args.twin or [None])]
     for part in parts:
         part["meta"]["host_time"] = "frozen" if args.freeze_host_time else "measured"
     results = parts[0] if len(parts) == 1 else merge_results(parts)
@@ -318,7 +321,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_part(args: argparse.Namespace, target: Any, draft: Any, tok: Any, prompts: dict[str, list[str]],
-                tune: dict[str, list[str]], twin: str | None) -> dict[str, Any]:
+                tune: dict[str, list[str]], warm: dict[str, list[str]], twin: str | None) -> dict[str, Any]:
     """One twin's (or the emulated link's) grid of ``specfit bench``."""
     from .bench import run_benchmark
 
@@ -336,6 +339,7 @@ def _bench_part(args: argparse.Namespace, target: Any, draft: Any, tok: Any, pro
         virtual_link=args.link_timing == "virtual",
         twin=twin,
         first_call=args.first_call,
+        warm_prompts=warm or None,
     )
 
 

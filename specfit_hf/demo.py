@@ -15,8 +15,12 @@ The "best static tree" is tuned like ``specfit bench``'s ``static-best``: every 
 the static family (chains of depth 1-7, two small trees, EAGLE-3's 60/7/10) runs on
 ``--tune-prompts`` other prompts of the dataset and the fastest in decode tok/s is kept.
 With ``--tune-prompts 0`` it is a fixed depth-2 chain (the best fixed chain measured on this
-host in issue 13).  "prompt lookup" is prompt lookup decoding (transformers'
-``prompt_lookup_num_tokens``) with 2-token proposals, its best length on this pair.
+host in issue 13).  SpecFit first generates the same tune prompts, unrecorded: it learns its
+drafting rates and acceptance online and keeps them from one ``generate`` call to the next,
+so its evaluated calls start as those of a process that has served a request already (a
+process's very first call is ``specfit bench --first-call``'s column).  "prompt lookup" is prompt
+lookup decoding (transformers' ``prompt_lookup_num_tokens``) with 2-token proposals, its best
+length on this pair.
 """
 
 from __future__ import annotations
@@ -109,8 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"target: tiny Qwen3-MoE, {num_params / 1e6:.1f}M parameters; draft: its EAGLE-3 head; "
           f"{args.prompts} prompts per dataset, {args.max_new_tokens} new tokens each, greedy; "
           f"device expert cache: {args.cache_fraction:.0%} of experts")
+    if args.tune_prompts:
+        print(f"the best static tree is tuned, and SpecFit learns its rates, on {args.tune_prompts} other prompt(s) "
+              "per dataset first")
     common = dict(cache_fractions=(args.cache_fraction,), policies=policies, max_new_tokens=args.max_new_tokens,
-                  tune_prompts=tune if args.tune_prompts else None, virtual_link=args.link_timing == "virtual")
+                  tune_prompts=tune if args.tune_prompts else None, warm_prompts=tune if args.tune_prompts else None,
+                  virtual_link=args.link_timing == "virtual")
     emulated = run_benchmark(target, draft, tok, prompts, links=(args.link,), **common)
     regime = REGIMES[args.link]
     timing = "transfers on the virtual clock" if args.link_timing == "virtual" else "transfers waited out"

@@ -321,3 +321,37 @@ def test_first_call_forgets_what_earlier_generations_measured(pair, monkeypatch)
     assert seen == [(0, 0)] * 4  # before each of the 2 prompts x 2 policies, nothing kept
     assert fresh["meta"]["first_call"] is True
     assert all(r["outputs_identical_to_autoregressive"] for r in fresh["runs"])
+
+
+def test_warm_prompts_run_specfit_columns_first_unrecorded(pair, monkeypatch):
+    """``warm_prompts``: each SpecFit column generates them before the evaluated prompts (other columns do not),
+    so its first evaluated call starts from what they measured on the cell's runtime; they are not rows."""
+    import specfit_hf.bench as bench
+    from specfit_hf.offload import get_runtime
+    from specfit_hf.selection.gate import shared_drafting
+
+    target, draft = pair
+    calls = []
+    original = bench.run_variant
+
+    def spy(target_, draft_, x, v, max_new_tokens, **kw):
+        measured = bool(shared_drafting(get_runtime(target_).view(), draft_))
+        calls.append((v.label, x.shape[1], measured))
+        return original(target_, draft_, x, v, max_new_tokens, **kw)
+
+    monkeypatch.setattr(bench, "run_variant", spy)
+    variants = [Variant("autoregressive", None), Variant("specfit", "specfit", config={"max_depth": 3, "tree_top_k": 2})]
+    prompts = {"math_reasoning": ["Question: 2+2?", "Question: why?"]}
+    warm = {"math_reasoning": ["Question: what is three and four, in words?"]}
+    res = run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.5,), links=(FAST,),
+                        variants=variants, max_new_tokens=8, progress=False, warm_prompts=warm)
+    warm_len = CharTokenizer()(warm["math_reasoning"][0], return_tensors="pt").input_ids.shape[1]
+    assert calls[0] == ("specfit", warm_len, False)  # the warm-up runs first, on a runtime nothing measured yet
+    evaluated = calls[1:]
+    assert len(evaluated) == 4 and all(n != warm_len for _, n, _ in evaluated)
+    assert [m for label, _, m in evaluated if label == "specfit"] == [True, True]  # starts from the warm-up's figures
+    assert res["meta"]["warm_prompts_per_category"] == {"math_reasoning": 1}
+    assert all(r["generations"] == 2 and r["outputs_identical_to_autoregressive"] for r in res["runs"])
+    with pytest.raises(ValueError, match="exclude each other"):
+        run_benchmark(target, draft, CharTokenizer(), prompts, cache_fractions=(0.5,), links=(FAST,),
+                      variants=variants, max_new_tokens=8, progress=False, warm_prompts=warm, first_call=True)

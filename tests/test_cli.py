@@ -27,6 +27,7 @@ def test_parser_defaults_and_exclusive_cache_options():
     args = p.parse_args(["bench", "--cache-fractions", "0.25", "0.5", "--link", "qwen3-pcie4", "qwen3-pcie5"])
     assert args.cache_fractions == [0.25, 0.5] and args.link == ["qwen3-pcie4", "qwen3-pcie5"]
     assert args.first_call is False and p.parse_args(["bench", "--first-call"]).first_call is True
+    assert args.warm_prompts == 0 and p.parse_args(["bench", "--warm-prompts", "2"]).warm_prompts == 2
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "--prompt", "x", "--offload-slots", "4", "--cache-fraction", "0.5"])
 
@@ -92,6 +93,10 @@ def test_bench_with_host_time_frozen_is_deterministic_and_needs_a_twin(tmp_path)
 
     with pytest.raises(SystemExit, match="needs --twin"):
         main(["bench", "--freeze-host-time"])
+    with pytest.raises(SystemExit, match="exclude each other"):
+        main(["bench", "--warm-prompts", "1", "--first-call"])
+    with pytest.raises(SystemExit, match=">= 0"):
+        main(["bench", "--warm-prompts", "-1"])
     _need_embedded_pair()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:",
