@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "static-best's shape on (0: skip both)")
     b.add_argument("--policies", nargs="+", default=None,
                    help="columns to run: autoregressive eagle3 eagle3-vanilla eagle3-best specfit specfit-eagle "
-                   "specfit-tree oracle, 'static' (every static tree of the family: chains d1-d7, d3k2n4, d4k3n8, "
-                   "d7k10n60), static:d<depth>k<top_k>n<nodes>, static-best, 'lookup' (prompt lookup decoding with "
-                   "2, 4, 7 and 10 tokens), lookup:d<tokens>, specfit:c<levels> (SpecFit whose fixed chains may "
+                   "specfit-tree oracle, 'static' (every static tree of the family: chains d1-d7 and d10, d3k2n4, "
+                   "d4k3n8, d7k10n60), static:d<depth>k<top_k>n<nodes>, static-best, 'lookup' (prompt lookup decoding "
+                   "with 2, 4, 7 and 10 tokens), lookup:d<tokens>, specfit:c<levels> (SpecFit whose fixed chains may "
                    "have up to that many levels) (default: all)")
     b.add_argument("--cache-fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     b.add_argument("--link", nargs="+", default=["qwen3-pcie4"], help="link regimes")

@@ -12,7 +12,7 @@ tokens/s (after the first token) and the time to the first token per policy, the
 generated answer.
 
 The "best static tree" is tuned like ``specfit bench``'s ``static-best``: every shape of
-the static family (chains of depth 1-7, two small trees, EAGLE-3's 60/7/10) runs on
+the static family (chains of depth 1-7 and 10, two small trees, EAGLE-3's 60/7/10) runs on
 ``--tune-prompts`` other prompts of the dataset and the fastest in decode tok/s is kept.
 With ``--tune-prompts 0`` it is a fixed depth-2 chain (the best fixed chain measured on this
 host in issue 13).  SpecFit first generates the same tune prompts, unrecorded: it learns its
