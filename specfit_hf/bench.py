@@ -57,7 +57,7 @@ from .clock import clock
 from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
-from .selection import available_policies, forget_measurements, mape, mape_floors
+from .selection import SpecFitOptions, available_policies, forget_measurements, mape, mape_floors
 
 if TYPE_CHECKING:
     from .twin import Twin
@@ -152,8 +152,12 @@ def chain_cap_variant(label: str) -> Variant:
     """The variant of a ``specfit:c<h>`` label: SpecFit whose drafting gate ranks fixed chains of up to ``h`` levels
     (``policy_kwargs={"max_chain": h}``; the tree keeps EAGLE-3's depth)."""
     m = _CHAIN_CAP_RE.match(label)
-    if m is None or not 1 <= int(m.group(1)) <= 16:
-        raise ValueError(f"bad SpecFit chain cap label {label!r}: expected specfit:c<levels>, 1-16, e.g. specfit:c10")
+    if m is None:
+        raise ValueError(f"bad SpecFit chain cap label {label!r}: expected specfit:c<levels>, e.g. specfit:c10")
+    try:
+        SpecFitOptions(max_chain=int(m.group(1)))  # the options own the bound
+    except ValueError as e:
+        raise ValueError(f"bad SpecFit chain cap label {label!r}: {e}") from e
     return Variant(label, "specfit", config={**EAGLE3_DEFAULTS, "policy_kwargs": {"max_chain": int(m.group(1))}})
 
 

@@ -301,9 +301,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             rows = load_prompts(ds, "test", n=n + t + args.warm_prompts, max_source_chars=args.max_source_chars)
             by_category[rows[0]["category"]] = [r["prompt"] for r in rows]
     prompts = {c: ps[:n] for c, ps in by_category.items()}
-    tune: dict[str, list[str]] = {c: ps[n: n + t] for c, ps in by_category.items() if t and ps[n: n + t]}
-    warm: dict[str, list[str]] = {c: ps[n + t: n + t + args.warm_prompts] for c, ps in by_category.items()
-            if args.warm_prompts and ps[n + t: n + t + args.warm_prompts]}
+    tune = {c: ps[n: n + t] for c, ps in by_category.items() if ps[n: n + t]}
+    w = args.warm_prompts
+    warm = {c: ps[n + t: n + t + w] for c, ps in by_category.items() if ps[n + t: n + t + w]}
     if args.policies:
         for tuned in ("eagle3-best", "static-best"):
             if tuned in args.policies and not tune:
