@@ -1149,3 +1149,25 @@ def test_carried_measurements_example_runs(example_module, capsys):
     assert 0 < first < 10 and 0 < imported < 10
     with pytest.raises(SystemExit):
         module.main(["--twin", "none", "--freeze-host-time"])
+
+
+def test_without_the_gate_the_trees_verified_paths_teach_each_depths_novelty():
+    """With ``adaptive_drafting=False`` no chain runs: a tree cycle that verified a path is what teaches
+    the novelty of each depth (else every node stays priced as all new); with the gate, chains do."""
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    shares = [0.6, 0.3, 0.2]
+
+    def novelty_after(enabled: bool, path: bool) -> np.ndarray:
+        gate = DraftingGate(DraftingMeasurements(interval=8), enabled, ["plain", "chain:1", "tree"], 8, 64)
+        for _ in range(30):
+            gate.observe("tree", 4, 0.03, loads=2, root_loads=1, t_expert=0.006, nodes=3, accepted=3,
+                         novelty=list(shares), path=path)
+        return gate.novelty()
+
+    prior = np.arange(17, dtype=float)  # before data: every depth brings a root's worth
+    np.testing.assert_allclose(novelty_after(True, True), prior)  # the gate's chains teach it, not the tree
+    np.testing.assert_allclose(novelty_after(False, False), prior)  # a tree that is not a path: no depths
+    learnt = novelty_after(False, True)
+    np.testing.assert_allclose(np.diff(learnt)[:3], shares, atol=0.03)  # the path's depths, as a chain's
+    assert learnt[7] < 3  # deeper depths follow the deepest one measured, not the all-new prior

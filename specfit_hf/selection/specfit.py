@@ -82,6 +82,12 @@ def _last(n: int) -> torch.Tensor:
     return _LAST[n - 1] if n <= _MAX_CACHED else torch.tensor([n - 1], dtype=torch.long)
 
 
+def _is_path(tree: DraftTree, selection: Selection) -> bool:
+    """Whether the verified nodes are one path from the root (depths 1..n, ancestor-closed)."""
+    n = selection.nodes.numel()
+    return n > 0 and int(tree.depths[selection.nodes].max()) == n
+
+
 def forget_measurements() -> None:
     """Forget what SpecFit has measured in this process: drafting rates and costs of every offload runtime and
     the acceptance estimates of every draft.  The next ``generate`` call starts as a fresh process's first does
@@ -425,7 +431,8 @@ class SpecFitPolicy(SelectionPolicy):
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
                               record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
-                              record.nodes_verified, record.tokens_accepted, self._context, node_novelty(record))
+                              record.nodes_verified, record.tokens_accepted, self._context, node_novelty(record),
+                              path=_is_path(tree, selection))
         committed = list(result.new_tokens[: record.tokens_committed])
         self._follow_shadow(committed)  # an earlier probe's tokens against this cycle's
         if self.lookup_tokens:
