@@ -51,8 +51,8 @@ choice of nodes pays (4090 twin, host time frozen, GSM8K at half cache: 0.995 ->
 of the best chain).
 
 **Exploring only what could win, within a budget.**  A plain step and one chain run first
-(they price every chain); the tree's first burst of two comes at the first exploration, as
-a kind not measured yet is due before any other.  After that only what could unseat the best is measured, and as
+(they price every chain); the tree's first burst of two comes at the first exploration while
+plain decoding leads, else once the deepest chain does.  After that only what could unseat the best is measured, and as
 cheaply as it can be: the tree by a burst of its own cycles, a deeper chain by a
 *probe* (:func:`probe_kind`) -- a cycle of the running kind (plain or ``chain:h``) that
 drafts :data:`PROBE_DEPTH` more levels and does not verify them.  Its extra tokens are
@@ -563,11 +563,17 @@ class DraftingGate:
         if state.cycle - state.explored_at >= state.interval:
             # the kind measured longest ago, discounted by how far behind it was: a kind at half
             # the best rate is re-measured a quarter as often (it would take a big change to win).
-            # A kind never measured is not behind: it is due first (discounted as unmeasured, the
-            # tree never ran where plain decoding or a short chain led, and a cell where only the
-            # tree pays ran plain steps: Mixtral twin, CNN/DM, 75 % cache, 0.98x plain decoding)
+            # While plain decoding leads, a kind never measured (the tree) is due first: no chain
+            # pays there, and the tree, verifying only nodes whose experts are resident, may (it
+            # never ran otherwise: Mixtral twin, CNN/DM, 75 % cache, 0.98x plain decoding where the
+            # tree alone is 1.2x).  While a chain leads the tree waits until it is measured (as
+            # unmeasured it would run in the cold cycles after the prefill, where its cheap nodes
+            # rate it above the chains whose depths it then never measures: GSM8K on the H100 twin
+            # sat on the tree, plain steps and lookup chains at 0.82 of the 10-token chain)
             def due(k: str) -> float:
-                ratio = rates[k] / max(rates[best], 1e-12) if k in rates else 1.0
+                if k not in rates:
+                    return math.inf if best == "plain" else 0.0
+                ratio = rates[k] / max(rates[best], 1e-12)
                 return (state.cycle - state.last_run.get(k, -1)) * ratio * ratio
 
             kind = max(self._worth_exploring(best), key=due)
