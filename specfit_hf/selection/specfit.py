@@ -432,7 +432,7 @@ class SpecFitPolicy(SelectionPolicy):
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
                               record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
                               record.nodes_verified, record.tokens_accepted, self._context, node_novelty(record),
-                              path=_is_path(tree, selection))
+                              path=not self.gate.enabled and self._kind == "tree" and _is_path(tree, selection))
         committed = list(result.new_tokens[: record.tokens_committed])
         self._follow_shadow(committed)  # an earlier probe's tokens against this cycle's
         if self.lookup_tokens:
