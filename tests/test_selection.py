@@ -831,6 +831,37 @@ def test_chains_not_run_yet_are_priced_from_the_plain_step_and_the_chains_that_r
     assert "tree" not in figures
 
 
+def test_a_chain_run_a_few_times_is_priced_by_its_own_cycles_and_the_others_by_the_fits():
+    """The fits are linear in levels; a deep chain's own cycles can cost more (a CPU host's draft and
+    verify of a long chain): once a chain has run a few cycles its own cost prices it, transfers still
+    at today's root loads, while chains not run yet keep the fitted price."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import _OWN_CYCLES, DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=8)
+    state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0005, t_expert=0.0))
+    gate = DraftingGate(state, True, ["plain", "chain:1", "chain:2", "chain:3", "tree"], 8, 64)
+    for levels in (1, 2, 3) * 10:
+        state.draft.add(levels, levels, 1e-3 * levels, 0.97)  # 1 ms a level
+    gate.observe("plain", 1, 0.004)
+    gate.observe("chain:1", 2, 0.0055, nodes=1, accepted=1)  # the per-depth acceptance starts
+    fitted = {k: gate.cycle_figures()[k][1] for k in ("chain:2", "chain:3")}
+    assert fitted["chain:3"] == pytest.approx(0.004 + 3 * 0.0015, rel=0.02)
+    for i in range(_OWN_CYCLES):
+        gate.observe("chain:3", 4, 0.020, nodes=3, accepted=3)  # each cycle 20 ms: far above the fit
+        figures = gate.cycle_figures()
+        if i + 1 < _OWN_CYCLES:
+            assert figures["chain:3"][1] == pytest.approx(fitted["chain:3"], rel=0.02)  # too few: the fits
+    assert figures["chain:3"][1] == pytest.approx(0.020)
+    assert figures["chain:3"][0] == pytest.approx(gate.chain_tokens()[3])  # tokens: the shared acceptance
+    assert figures["chain:2"][1] == pytest.approx(fitted["chain:2"], rel=0.02)  # not run: still the fits
+    assert gate.best() == "chain:2"  # the cheap fitted guess is worth trying now
+    # transfers at today's root loads, whatever the chain's own cycles loaded
+    gate.observe("plain", 1, 0.004 + 3 * 0.001, loads=3, root_loads=3, t_expert=0.001)
+    m = state.root_loads
+    assert gate.cycle_figures()["chain:3"][1] > 0.020 + 0.001 * m * 0.99
+
+
 def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels():
     from specfit_hf.selection.gate import PROBE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
 
@@ -1060,6 +1091,7 @@ def test_max_chain_lets_fixed_chains_grow_past_the_trees_depth():
     from specfit_hf.clock import simulated
     from specfit_hf.selection import SpecFitPolicy
     from specfit_hf.selection.gate import DraftingGate
+    from specfit_hf.selection.options import DEFAULT_MAX_CHAIN
 
     with pytest.raises(ValueError, match="max_chain"):
         SpecFitConfig(policy_kwargs={"max_chain": 17})
@@ -1067,7 +1099,9 @@ def test_max_chain_lets_fixed_chains_grow_past_the_trees_depth():
                         return_dict_in_generate=True, policy_kwargs={"max_chain": 5, "share_drafting": False})
     policy = SpecFitPolicy(cfg)
     assert policy.max_levels == 5 and policy.max_depth == 2
-    assert SpecFitPolicy(SpecFitConfig(max_depth=3)).max_levels == 3  # default: the tree's depth
+    # default: 10 levels, or the tree's depth where that is more
+    assert SpecFitPolicy(SpecFitConfig(max_depth=3)).max_levels == DEFAULT_MAX_CHAIN == 10
+    assert SpecFitPolicy(SpecFitConfig(max_depth=12)).max_levels == 12
     torch.set_num_threads(1)
     target = tiny_qwen3_moe(0)
     ids = torch.randint(3, 60, (1, 10), generator=torch.Generator().manual_seed(4))

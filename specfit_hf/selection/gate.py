@@ -18,9 +18,11 @@ stretches cannot be compared by their own tokens per cycle, so a chain's tokens 
 one estimate of ``P(depth d accepted | depth d - 1 accepted)``, ``d = 1..16``, pooled over
 every chain cycle (about the last ten weigh most; a depth not reached lately falls back to
 its long-run rate, and a depth seldom reached at all to the depth above it):
-``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost
-per cycle.  The tree's tokens are its own, scaled down (never up) by how much the chains'
-acceptance fell since its cycles ran.
+``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost per cycle: a chain run a
+few times is priced by its own drafting and compute, one not run yet by fits of a draft
+level's and a verified token's cost (linear in the levels: the guess that gets a deeper chain
+tried, whose own cycles then correct it).  The tree's tokens are its own, scaled down (never
+up) by how much the chains' acceptance fell since its cycles ran.
 
 **Transfers at today's rate.**  Transfers are most of a step's variance and drift with
 the cache: a plain step at half cache loads 0 to 5 experts by routing luck.  Every cycle
@@ -238,6 +240,7 @@ PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see Drafti
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
+_OWN_CYCLES = 4  # cycles after which a chain is priced by its own cycles rather than by the fits
 _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _START_CYCLES = 8  # a call's first cycles, whose root loads :meth:`DraftingGate.start_call` starts from
@@ -395,10 +398,11 @@ class DraftingGate:
                 tokens *= min(ct[_REFERENCE] * cycles / reference, 1.0)
             out[kind] = (tokens / cycles, (seconds + transfers) / cycles)
         if ct is not None and "plain" in sums:
-            # A chain of h levels costs the plain step plus h levels, each a draft step (with the
-            # search after it) and a verified token, from the fits every drafting cycle feeds
+            # A chain not measured yet costs the plain step plus h levels, each a draft step (with
+            # the search after it) and a verified token, from the fits every drafting cycle feeds
             # (probes included); without those fits, what a level cost in the chains that ran.
-            # A chain's own cycles would price it by the stretch of text and cache it last ran in.
+            # Its transfers are priced at today's root loads either way: a chain's own loads
+            # would price it by the stretch of text and cache it last ran in.
             plain = float(sums["plain"][1] / sums["plain"][2])
             verify = state.verify.last_fit if state.verify is not None else None
             draft = state.draft
@@ -414,6 +418,13 @@ class DraftingGate:
                 root = plain + t_expert * m + drafting
                 per_novel = t_novel + t_expert * per_new
                 for kind, h in self._chain_depths:
+                    if state.counts.get(kind, 0) >= _OWN_CYCLES:
+                        # measured often enough: its own drafting and compute, its transfers at today's
+                        # rate (the fits are linear in levels, and on a CPU host a deep chain's draft and
+                        # verify cost more than that: mixtral-pcie4, GSM8K, a 10-level chain forecast at
+                        # 71 ms ran at 83 ms, and the gate chose it over the faster 7-level one)
+                        out[kind] = (ct[h], out[kind][1])
+                        continue
                     # deeper tokens share more of the experts before them: each depth pays for what it adds
                     out[kind] = (ct[h], root + h * per_level + float(novelty[h]) * per_novel)
         if state.draft.t_level is not None:

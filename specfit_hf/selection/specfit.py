@@ -56,7 +56,7 @@ from .gate import (
 )
 from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
-from .options import SpecFitOptions
+from .options import DEFAULT_MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
@@ -131,7 +131,8 @@ class SpecFitPolicy(SelectionPolicy):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.max_depth = int(getattr(config, "max_depth", 7))
-        self.max_chain = self.max_depth if self.options.max_chain is None else int(self.options.max_chain)
+        self.max_chain = (max(self.max_depth, DEFAULT_MAX_CHAIN) if self.options.max_chain is None
+                          else int(self.options.max_chain))
         self.greedy = not bool(getattr(config, "do_sample", False))
         self.acceptance = AcceptanceModel.for_draft(None, dict(self.options.acceptance), share=False)
         self.costs: CycleCostTracker | None = None
