@@ -571,13 +571,86 @@ def test_search_charges_measured_root_and_node_loads():
         costs.observe(tree, sel, record, predicted_added=2, root_loads=3)
     assert costs.root_loads == pytest.approx(3.0)
     g, b = costs.node_loads
-    assert g + 2 * b == pytest.approx(4.0, rel=0.05)  # the node's extra loads are what the fit charges it
+    assert g * costs.root_loads + 2 * b == pytest.approx(4.0, rel=0.05)  # the node's extra loads are what the fit charges it
     costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
     costs._models.clear()
     model = costs.cycle_model(0, 0, root_predicted=2)
     # the root costs its measured loads whatever the forecast predicted for it; the node its fitted extra
     assert model.predict(1, 2) == pytest.approx(0.01 + 0.001 + 0.002 * 3.0)
     assert model.predict(2, 4) - model.predict(1, 2) == pytest.approx(0.001 + 0.002 * 4.0, rel=0.05)
+
+
+def test_the_root_is_priced_by_the_forecasts_guess_once_guessed_cycles_have_fitted_it():
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    costs = policy.costs
+    costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
+    tree, sel = DraftTree(root_token=5), Selection(nodes=torch.tensor([], dtype=torch.long))
+    assert costs.expected_root_loads(4) == costs.root_loads == 0.0  # no guessed cycle yet: the running mean
+    for i in range(60):  # roots guessed to miss 1 loaded 2, roots guessed to miss 5 loaded 6
+        guess = 1 if i % 2 else 5
+        record = CycleRecord(nodes_drafted=0, nodes_verified=0, tokens_accepted=0, tokens_committed=1,
+                             cycle_seconds=0.02, draft_seconds=0.0, select_seconds=0.0, verify_seconds=0.02,
+                             experts_loaded=guess + 1)
+        costs.observe(tree, sel, record, root_loads=guess + 1, root_guess=guess)
+    assert costs.expected_root_loads(5) == pytest.approx(6.0, rel=0.05)
+    assert costs.expected_root_loads(1) == pytest.approx(2.0, rel=0.1)
+    assert costs.expected_root_loads(None) == pytest.approx(costs.root_loads)  # no guess: the running mean
+    assert 3.0 < costs.root_loads < 5.0
+    costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
+    costs._models.clear()
+    _, b = costs.node_loads
+    for guess in (1, 5):  # the root alone costs its fitted loads, whatever the node-load fit says a miss costs
+        model = costs.cycle_model(0, 0, root_predicted=guess)
+        assert model.predict(1, guess) == pytest.approx(0.01 + 0.001 + 0.002 * costs.expected_root_loads(guess))
+    blind = costs.cycle_model(0, 0, root_predicted=None)
+    assert blind.predict(1, 0) == pytest.approx(0.01 + 0.001 + 0.002 * costs.root_loads)
+
+
+class _FixedExperts:
+    """A forecast's collaborators for one layer of 16 experts: node ``i`` routes to expert ``i + 1``."""
+
+    def __init__(self, resident):
+        self._resident = np.asarray(resident, dtype=bool).reshape(1, -1)
+
+    def resident(self):
+        return self._resident
+
+    def predict_root(self, tree):
+        return np.array([[0]])
+
+    def predict(self, tree, nodes):
+        return (np.asarray(nodes) + 1).reshape(-1, 1, 1)
+
+
+def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_miss():
+    from specfit_hf.selection.forecast import ExpertForecast
+
+    times = {}
+    for label, resident in (("warm", [True] * 16), ("cold", [True] * 1 + [False] * 15)):
+        config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
+        policy = get_policy("specfit", config)
+        policy.reset(ctx)
+        policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops it without a runtime)
+        fixed = _FixedExperts(resident)
+        policy.forecast = ExpertForecast(fixed, fixed)
+        for _ in range(6):  # the gate has figures for the chain: they are blind to this cycle's routing
+            policy.gate.observe("plain", 1, 0.02)
+            policy.gate.observe("chain:3", 3, 0.03, nodes=3, accepted=2)
+        policy.gate.state.cycle = 1  # not a cycle the tree's models sample
+        assert "chain:3" in policy.gate.ranked_figures() and not policy._sampled()
+        policy.gate.choose = lambda: "chain:3"
+        policy.select(DraftTree(root_token=5), ctx)
+        tree = DraftTree(root_token=5)
+        for level in range(3):
+            tree.add_level(torch.tensor([10 + level]), torch.tensor([level - 1]), torch.tensor([0.5]))
+            sel = policy.select(tree, ctx)
+        assert sel.stop and sel.nodes.tolist() == [0, 1, 2]
+        times[label] = sel.predicted_time
+    # the cold chain's 3 nodes each bring one expert the cache lacks
+    _, b = policy.costs.node_loads
+    assert times["cold"] - times["warm"] == pytest.approx(0.002 * b * 3)
 
 
 def test_drafting_measurements_are_shared_per_runtime_and_draft():

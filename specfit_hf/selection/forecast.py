@@ -93,14 +93,26 @@ class ExpertForecast:
             self.current.root_missing = root_missing(root, self.current.cached)
         return self.current.root_missing
 
-    def plain_step_missing(self, tree: DraftTree) -> int:
-        """Predicted misses of a plain decode step (before any drafting), against the residents now."""
+    def root_guess(self, tree: DraftTree) -> int | None:
+        """:meth:`root_missing` when the predictor guessed the root's experts, ``None`` when it could not.
+
+        The draft's heads guess a root from the draft state of its first level, so a cycle that has
+        drafted has a guess and a plain step (before drafting) has none.
+        """
+        root = self.root(tree)
+        if root is None or not (root >= 0).any():
+            return None
+        return self.root_missing(tree)
+
+    def plain_step_missing(self, tree: DraftTree) -> int | None:
+        """Predicted misses of a plain decode step (before any drafting), against the residents now;
+        ``None`` when the predictor has no guess for the root yet."""
         if self.predictor is None:
-            return 0
+            return None
         # history knows the root token; the other predictors need a draft hidden state
         root = self.predictor.predict_root(tree)
         if not (root >= 0).any():
-            return 0  # no guess: skip reading the residents
+            return None  # no guess: skip reading the residents
         return root_missing(root, self.experts.resident())
 
     def chain_missing(self, tree: DraftTree) -> np.ndarray | None:

@@ -140,6 +140,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.gate: DraftingGate | None = None
         self.lookahead = LookAhead(self.max_depth, getattr(config, "tree_top_k", None), self.options.lookahead)
         self._last: Selection | None = None
+        self._root_guess: int | None = None  # the root's predicted misses this cycle was priced with
         self._kind = "tree"  # the kind of cycle the gate chose for this cycle
         self._shadow: list[int] = []  # a probe's chain tokens not yet compared with committed ones
         self._shadow_depth = 0  # depth of the last one compared
@@ -197,7 +198,8 @@ class SpecFitPolicy(SelectionPolicy):
             return self._chain_cycle(tree, kind_depth(self._kind))
         path = self.acceptance.path(tree)
         root_predicted = self.forecast.root_missing(tree)
-        cost = self.costs.cycle_model(tree.num_levels, len(tree), root_predicted)
+        self._root_guess = self.forecast.root_guess(tree)
+        cost = self.costs.cycle_model(tree.num_levels, len(tree), self._root_guess)
         if len(tree) == tree.num_levels:  # a chain (one node per level): prefixes only, in one pass
             return self._select_chain(tree, path, cost, root_predicted)
         candidates = self._prune(tree, path, cost)
@@ -206,35 +208,41 @@ class SpecFitPolicy(SelectionPolicy):
         sel = self._search(tree, path, candidates, experts, cost)
         threshold = self._useful_path(cost, root_predicted)
         self.lookahead.plan(tree, sel, path, experts, self.forecast.cached, self.acceptance,
-                            self._cycle_models(root_predicted), threshold)
+                            self._cycle_models(self._root_guess), threshold)
         self._last = sel
         return sel
 
     def _chain_cycle(self, tree: DraftTree, depth: int) -> Selection:
         """A fixed-chain cycle: draft ``depth`` levels of one child, then verify them all.
 
-        Its figures are the gate's as last ranked (one per-depth acceptance for every chain, the
-        cost from fitted components): no per-node forecast is needed to run it.  Every few cycles
-        (:meth:`_sampled`) the experts are forecast anyway, so the tree's cost model keeps
-        learning what verified nodes add; the other cycles skip that host time.
+        Its tokens are the gate's as last ranked (one per-depth acceptance for every chain);
+        its forecast time is the per-node one, made once the chain is drafted: the experts its
+        nodes are predicted to need against the residents.  The gate's figure is blind to the
+        cycle's routing, which is most of a cycle's spread (4090 twin, GSM8K at half cache,
+        host time frozen, 16 prompts: the 10-token chains took 22 to 132 ms; the gate's figure
+        missed them by 91 % on average, the forecast's predicted misses correlate 0.97 with the
+        loads).
         """
         n = len(tree)
         nodes = _prefix(n)
         if tree.num_levels < min(depth, self.max_chain) and n == tree.num_levels:
             return Selection(nodes=nodes, stop=False, expand=_last(n), children=1)
         figures = self.gate.ranked_figures().get(self._kind)
-        chain = n == tree.num_levels
-        sampled = self._sampled()
-        if figures is not None and not (chain and sampled):
-            expected, seconds = figures
-        else:  # not measured yet, or a sampled cycle: the per-node forecast
-            root_predicted = self.forecast.root_missing(tree)
-            missing = self.forecast.chain_missing(tree) if chain else None
-            cost = self.costs.cycle_model(tree.num_levels, n, root_predicted)
+        seconds = self._prefix_seconds(tree, n)
+        if figures is not None and not (n == tree.num_levels and self._sampled()):
+            expected = figures[0]
+        else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
-            seconds = cost.predict(n + 1, root_predicted if missing is None else int(missing[-1]))
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
+
+    def _prefix_seconds(self, tree: DraftTree, verified: int) -> float:
+        """The per-node forecast of a drafted ``tree`` with its first ``verified`` nodes verified (a chain prefix)."""
+        root_predicted = self.forecast.root_missing(tree)
+        self._root_guess = self.forecast.root_guess(tree)
+        missing = self.forecast.chain_missing(tree) if len(tree) == tree.num_levels else None
+        cost = self.costs.cycle_model(tree.num_levels, len(tree), self._root_guess)
+        return cost.predict(verified + 1, root_predicted if missing is None else int(missing[verified]))
 
     def _sampled(self) -> bool:
         """Whether this fixed-chain cycle also feeds the tree's models (forecast, calibrator)."""
@@ -248,9 +256,10 @@ class SpecFitPolicy(SelectionPolicy):
         n = len(tree)
         if tree.num_levels < min(depth + PROBE_DEPTH, self.max_chain) and n == tree.num_levels:
             return Selection(nodes=_EMPTY, stop=False, expand=_last(n), children=1)
-        tokens, seconds = self.gate.ranked_figures().get(self._kind, (1.0, math.nan))
+        tokens = self.gate.ranked_figures().get(self._kind, (1.0, math.nan))[0]
         nodes = _prefix(min(depth, n))
-        return Selection(nodes=nodes, expected_tokens=tokens, predicted_time=seconds, stop=True)
+        return Selection(nodes=nodes, expected_tokens=tokens, predicted_time=self._prefix_seconds(tree, len(nodes)),
+                         stop=True)
 
     def _follow_shadow(self, committed: list[int]) -> None:
         """Compare a probe's unverified tokens with the tokens the target committed, depth by depth."""
@@ -273,7 +282,7 @@ class SpecFitPolicy(SelectionPolicy):
         missing = self.forecast.chain_missing(tree)
         sel = select_chain(path, missing, cost, candidates.size)
         threshold = self._useful_path(cost, root_predicted)
-        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance, self._cycle_models(root_predicted),
+        self.lookahead.plan_chain(tree, sel, path, missing, self.acceptance, self._cycle_models(self._root_guess),
                                   threshold)
         self._last = sel
         return sel
@@ -282,6 +291,7 @@ class SpecFitPolicy(SelectionPolicy):
         """The plain step (root alone) with its predicted time; the gate decides whether to draft, and how
         wide, unless the cycle's prompt-lookup chain (``proposal``) is predicted to pay more."""
         self._last = None
+        self._root_guess = None
         self._kind = self.gate.choose()
         self._proposal, self._context = proposal, lookup_context(proposal)
         if proposal is not None:
@@ -294,9 +304,9 @@ class SpecFitPolicy(SelectionPolicy):
             figures = self.gate.plain_figures() if self._kind == "plain" else (1.0, math.nan)
             return Selection(nodes=_EMPTY, expected_tokens=figures[0], predicted_time=figures[1],
                              stop=self.max_depth < 1 or self._kind == "plain", children=1)
-        plain_missing = self.forecast.plain_step_missing(tree)
+        plain_missing = self._root_guess = self.forecast.plain_step_missing(tree)
         cost = self.costs.cycle_model(0, 0, plain_missing)
-        predicted = cost.predict(1, plain_missing)
+        predicted = cost.predict(1, plain_missing or 0)
         stop = self.max_depth < 1 or self._kind == "plain"
         if self._kind == "tree":
             children = useful_children(1.0, self.acceptance.rank_acceptance(),
@@ -330,16 +340,18 @@ class SpecFitPolicy(SelectionPolicy):
         kind = self._kind
         if kind == state.exploring or "plain" not in state.sums:
             return None
-        if kind != "plain" and not (kind.startswith("chain:") and kind_depth(kind) <= _LOOKUP_REPLACES):
+        short_chain = kind.startswith("chain:") and kind_depth(kind) <= _LOOKUP_REPLACES
+        if kind != "plain" and kind != "tree" and not short_chain:
             return None
         node_seconds = gate.node_seconds(len(proposal.tokens))
-        plain = gate.plain_figures()
-        figures = plain if kind == "plain" else gate.ranked_figures().get(kind)
+        figures = gate.plain_figures() if kind == "plain" else gate.ranked_figures().get(kind)
         if node_seconds is None or figures is None:
             return None
         tokens, kind_seconds = figures
+        if kind == "tree" and tokens > 1 + _LOOKUP_REPLACES:
+            return None  # a tree that commits what a long chain does: the draft takes the repeats
         rate = tokens / max(kind_seconds, 1e-12)
-        if kind != "plain" and gate.context_trials(self._context) < _CONTEXT_TRIALS:
+        if short_chain and gate.context_trials(self._context) < _CONTEXT_TRIALS:
             return None
         here = gate.chain_tokens_in(self._context)
         if here is not None:
@@ -350,13 +362,20 @@ class SpecFitPolicy(SelectionPolicy):
                 if chain in ranked:
                     rate = max(rate, float(here[depth]) / max(ranked[chain][1], 1e-12))
         q = state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt)
-        h, expected, seconds = best_lookup_prefix(q, plain[1], node_seconds)
+        # the hurdle prices the root at the ranked kinds' root mean: lookup roots load less (the
+        # forecast below says so), but priced at that the lookup chains took the draft's easy cycles
+        # and the calls were slower (host time frozen, CNN/DM prompts 1-16, against this hurdle: 4090
+        # twin at half cache 0.932x, Mixtral 4090 twin at half and 75 % cache 0.962x and 0.981x, H100
+        # twin 1.031x)
+        root_seconds = gate.plain_figures()[1]
+        h, expected, seconds = best_lookup_prefix(q, root_seconds, node_seconds)
         if expected <= rate * seconds:  # E / T no higher than the best kind's rate here
             return None
-        return Selection(nodes=_prefix(h), expected_tokens=expected, predicted_time=seconds,
+        forecast = seconds - root_seconds + gate.lookup_root_seconds()
+        return Selection(nodes=_prefix(h), expected_tokens=expected, predicted_time=forecast,
                          throughput=expected / max(seconds, 1e-12), stop=True, lookup=True)
 
-    def _cycle_models(self, root_predicted: int) -> Callable[[int, int], CostModel]:
+    def _cycle_models(self, root_predicted: int | None) -> Callable[[int, int], CostModel]:
         """``(levels, nodes) -> cycle cost model`` for this cycle's root (what the look-ahead prices with)."""
         return lambda levels, nodes: self.costs.cycle_model(levels, nodes, root_predicted)
 
@@ -428,7 +447,7 @@ class SpecFitPolicy(SelectionPolicy):
             added = None if predicted is None else predicted - self.forecast.root_missing(tree)
             self.forecast.observe(tree, selection)  # the predictor learns the verified routing
         root_loads = record.root_experts_loaded  # what a plain step would have loaded in this cycle's place
-        self.costs.observe(tree, selection, record, added, root_loads)
+        self.costs.observe(tree, selection, record, added, root_loads, self._root_guess)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
                               record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
