@@ -129,6 +129,13 @@ class CycleCostTracker:
         """``(g, b)``: expected extra loads per verified node and expected root load, and per predicted added miss."""
         return float(self._node_fit[0]), float(self._node_fit[1])
 
+    def expected_loads(self, nodes: int, root_predicted: int | None, missing: int) -> float:
+        """Expected loads of verifying the root and ``nodes`` nodes whose union the forecast says misses
+        ``missing`` experts (the root's ``root_predicted`` among them): what :meth:`cycle_model` charges."""
+        g, b = self.node_loads
+        root = self.expected_root_loads(root_predicted)
+        return root + g * root * nodes + b * (missing - (root_predicted or 0))
+
     def cycle_model(self, levels: int, nodes: int, root_predicted: int | None = None) -> CostModel:
         """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``).
 

@@ -479,6 +479,14 @@ class DraftingGate:
         """:meth:`cycle_figures` as of the last ranking (a running kind's forecast between rankings)."""
         return self._figures[1] if self._figures is not None else self.cycle_figures()
 
+    def own_seconds(self, kind: str) -> float | None:
+        """Seconds a cycle of ``kind`` takes beside its transfers, from its own cycles (``None`` before
+        :data:`_OWN_CYCLES` of them)."""
+        v = self.state.sums.get(kind)
+        if v is None or self.state.counts.get(kind, 0) < _OWN_CYCLES:
+            return None
+        return float(v[1] / v[2])
+
     def plain_figures(self) -> tuple[float, float]:
         """``cycle_figures()["plain"]`` without ranking every kind (a plain step's forecast, every step)."""
         tokens, seconds, cycles = self.state.sums["plain"][:3].tolist()

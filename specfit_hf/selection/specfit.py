@@ -237,12 +237,20 @@ class SpecFitPolicy(SelectionPolicy):
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
 
     def _prefix_seconds(self, tree: DraftTree, verified: int) -> float:
-        """The per-node forecast of a drafted ``tree`` with its first ``verified`` nodes verified (a chain prefix)."""
+        """The per-node forecast of a drafted ``tree`` with its first ``verified`` nodes verified (a chain prefix).
+
+        A fixed chain that has run a few cycles takes its drafting and compute from them (what the
+        gate prices it by) and its transfers from the forecast; otherwise the cycle cost model.
+        """
         root_predicted = self.forecast.root_missing(tree)
         self._root_guess = self.forecast.root_guess(tree)
         missing = self.forecast.chain_missing(tree) if len(tree) == tree.num_levels else None
+        misses = root_predicted if missing is None else int(missing[verified])
+        own = self.gate.own_seconds(self._kind) if self._kind.startswith("chain:") else None
+        if own is not None:
+            return own + self.costs.t_expert * self.costs.expected_loads(verified, self._root_guess, misses)
         cost = self.costs.cycle_model(tree.num_levels, len(tree), self._root_guess)
-        return cost.predict(verified + 1, root_predicted if missing is None else int(missing[verified]))
+        return cost.predict(verified + 1, misses)
 
     def _sampled(self) -> bool:
         """Whether this fixed-chain cycle also feeds the tree's models (forecast, calibrator)."""
