@@ -623,6 +623,9 @@ class _FixedExperts:
     def predict(self, tree, nodes):
         return (np.asarray(nodes) + 1).reshape(-1, 1, 1)
 
+    def predict_with_root(self, tree, nodes):
+        return self.predict_root(tree), self.predict(tree, nodes)
+
 
 def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_miss():
     from specfit_hf.selection.forecast import ExpertForecast

@@ -567,10 +567,15 @@ class Eagle3DraftModel(PreTrainedModel):
         heads = self.expert_heads
         if self.training or len(heads) == 1:
             return torch.stack([head(hidden) for head in heads], dim=-2)
-        # inference runs after every draft level: one matmul over the stacked heads
-        weight = torch.cat([h.weight for h in heads])
-        bias = None if heads[0].bias is None else torch.cat([h.bias for h in heads])
-        return F.linear(hidden, weight, bias).unflatten(-1, (len(heads), -1))
+        # inference runs after every draft level: one matmul over the stacked heads, stacked once
+        # (again only when a head's weights are replaced or changed in place)
+        key = tuple((h.weight.data_ptr(), h.weight._version) for h in heads)
+        stacked = getattr(self, "_stacked_heads", None)
+        if stacked is None or stacked[0] != key:
+            bias = None if heads[0].bias is None else torch.cat([h.bias for h in heads]).detach()
+            stacked = (key, torch.cat([h.weight for h in heads]).detach(), bias)
+            self._stacked_heads = stacked
+        return F.linear(hidden, stacked[1], stacked[2]).unflatten(-1, (len(heads), -1))
 
     @torch.no_grad()
     def predict_experts(self, hidden: torch.Tensor, top_k: int | None = None) -> torch.LongTensor:

@@ -64,6 +64,10 @@ class ExpertPredictor:
         """``[L, k]`` predicted experts of the root."""
         raise NotImplementedError
 
+    def predict_with_root(self, tree: DraftTree, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(root ``[L, k]``, nodes ``[len(nodes), L, k]``): :meth:`predict_root` and :meth:`predict` at once."""
+        return self.predict_root(tree), self.predict(tree, nodes)
+
     def observe(self, tokens: np.ndarray, routing: np.ndarray) -> None:
         """Verified rows: token ids ``[T]`` and the experts they were routed to ``[T, L, k]``."""
 
@@ -232,6 +236,14 @@ class DraftHeadPredictor(ExpertPredictor):
         if tree.root_hidden is None:
             return self._empty(1)[0]
         return self._heads(tree.root_hidden.reshape(1, -1))[0]
+
+    def predict_with_root(self, tree: DraftTree, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if tree.root_hidden is None or tree.hidden is None:
+            return super().predict_with_root(tree, nodes)
+        # one call of the heads for the root and the nodes: each call is mostly fixed host time
+        block = torch.cat([tree.root_hidden.reshape(1, -1), tree.hidden[torch.as_tensor(nodes, dtype=torch.long)]])
+        out = self._heads(block)
+        return out[0], out[1:]
 
 
 def available_predictors() -> list[str]:

@@ -71,8 +71,17 @@ class ExpertForecast:
 
     def nodes(self, tree: DraftTree, need: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(node experts ``[N, L, k]``, root experts); rows neither in ``need`` nor predicted before are -1."""
-        if self.root(tree) is None:
+        if self.predictor is None:
             return None
+        self.snapshot(tree)
+        if self.current.root is None and need.size:  # the root with the first nodes: one predictor call
+            root, first = self.predictor.predict_with_root(tree, need)
+            self.current.root = root
+            self.current.nodes = np.full((len(tree), *root.shape), -1, dtype=np.int64)
+            self.current.done = np.zeros(len(tree), dtype=bool)
+            self.current.nodes[need] = first
+            self.current.done[need] = True
+        self.root(tree)
         pred = self.current
         grow = len(tree) - pred.nodes.shape[0]
         if grow > 0:
