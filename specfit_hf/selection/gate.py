@@ -487,10 +487,11 @@ class DraftingGate:
             return None
         return float(v[1] / v[2])
 
-    def plain_figures(self) -> tuple[float, float]:
-        """``cycle_figures()["plain"]`` without ranking every kind (a plain step's forecast, every step)."""
+    def plain_figures(self, load_factor: float = 1.0) -> tuple[float, float]:
+        """``cycle_figures()["plain"]`` without ranking every kind (a plain step's forecast, every step);
+        ``load_factor`` scales the root's expected loads."""
         tokens, seconds, cycles = self.state.sums["plain"][:3].tolist()
-        return tokens / cycles, seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0)
+        return tokens / cycles, seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0) * load_factor
 
     def lookup_root_seconds(self) -> float:
         """A lookup chain's root: a plain step whose loads are what lookup roots loaded against the root mean.
@@ -498,10 +499,8 @@ class DraftingGate:
         Where the text repeats, the root's experts are mostly resident (Mixtral 4090 twin, CNN/DM at
         half cache, host time frozen, 16 prompts: 0.5 loads against a root mean of 1.6).
         """
-        _, seconds, cycles = self.state.sums["plain"][:3].tolist()
         loaded, mean = self.state.lookup_root_sums
-        factor = (loaded + _OWN_NODE_PRIOR) / (mean + _OWN_NODE_PRIOR)
-        return seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0) * factor
+        return self.plain_figures((loaded + _OWN_NODE_PRIOR) / (mean + _OWN_NODE_PRIOR))[1]
 
     def depth_acceptance(self) -> np.ndarray | None:
         """Estimated ``P(draft token d accepted | tokens before it accepted)`` for chain depths ``1..16``.

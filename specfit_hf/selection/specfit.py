@@ -197,8 +197,8 @@ class SpecFitPolicy(SelectionPolicy):
         if self._kind != "tree":
             return self._chain_cycle(tree, kind_depth(self._kind))
         path = self.acceptance.path(tree)
-        root_predicted = self.forecast.root_missing(tree)
         self._root_guess = self.forecast.root_guess(tree)
+        root_predicted = self._root_guess or 0  # the root's predicted misses (0 without a guess)
         cost = self.costs.cycle_model(tree.num_levels, len(tree), self._root_guess)
         if len(tree) == tree.num_levels:  # a chain (one node per level): prefixes only, in one pass
             return self._select_chain(tree, path, cost, root_predicted)
@@ -243,9 +243,8 @@ class SpecFitPolicy(SelectionPolicy):
         gate prices it by) and its transfers from the forecast; otherwise the cycle cost model.
         """
         missing = self.forecast.chain_missing(tree) if len(tree) == tree.num_levels else None  # (root with it)
-        root_predicted = self.forecast.root_missing(tree)
         self._root_guess = self.forecast.root_guess(tree)
-        misses = root_predicted if missing is None else int(missing[verified])
+        misses = (self._root_guess or 0) if missing is None else int(missing[verified])
         own = self.gate.own_seconds(self._kind) if self._kind.startswith("chain:") else None
         if own is not None:
             return own + self.costs.t_expert * self.costs.expected_loads(verified, self._root_guess, misses)
