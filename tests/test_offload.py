@@ -198,6 +198,9 @@ def test_lru_miss_counts_match_simulation(arch):
             mask = runtime.resident_mask(idx)
             assert mask.dtype == torch.bool and set(mask.nonzero().flatten().tolist()) == resident
             assert stats.layers[idx].forwards == len(first) + len(second) == 24 + 8
+        masks = runtime.resident_masks()  # every layer at once, in moe_layers order
+        assert masks.shape == (len(runtime.moe_layers), runtime.num_experts)
+        assert all((masks[i] == runtime.resident_mask(idx).numpy()).all() for i, idx in enumerate(runtime.moe_layers))
         assert stats.total.misses == sum(stats.layers[i].misses for i in runtime.moe_layers)
         assert stats.total.multi_wave_forwards == 0
     finally:

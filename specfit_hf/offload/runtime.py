@@ -315,6 +315,10 @@ class OffloadRuntime:
         """Bool [num_experts] (CPU): True where the expert is resident in that layer's cache now."""
         return torch.from_numpy(self._layer(layer_idx).cache.slot_of >= 0)
 
+    def resident_masks(self) -> np.ndarray:
+        """Bool ``[L, E]`` (numpy, a copy): residents of every MoE layer's cache now, layers in ``moe_layers`` order."""
+        return np.stack([layer.cache.slot_of for layer in self._layers.values()]) >= 0
+
     def last_routing(self, layer_idx: int) -> Optional[torch.Tensor]:
         """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
         return self._layer(layer_idx).last_routing

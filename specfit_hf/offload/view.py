@@ -45,7 +45,7 @@ class ExpertCacheView:
 
     def resident(self) -> np.ndarray:
         """``[L, E]`` bool: experts resident in the device cache now."""
-        return np.stack([self._runtime.resident_mask(layer).numpy() for layer in self.moe_layers])
+        return self._runtime.resident_masks()
 
     def last_routing(self, rows: int | None = None) -> np.ndarray | None:
         """``[T, L, k]`` experts the last target forward routed each row to.

@@ -219,9 +219,15 @@ class _ChainMisses:
         self.out = [root_missing]
 
     def extend(self, nodes: np.ndarray) -> np.ndarray:
-        for k in range(len(self.out) - 1, nodes.shape[0]):
-            ids = (nodes[k] + self.off)[nodes[k] >= 0]
-            new = np.unique(ids[self.costly[ids]])
+        start = len(self.out) - 1
+        if nodes.shape[0] > start:
+            # the new rows at once: each costly id is paid by the first row that names it (one
+            # unique over the rows, not one per row; this runs in every fixed chain's cycle)
+            rows = nodes[start:]
+            ids = np.where(rows >= 0, rows + self.off[None], -1).reshape(rows.shape[0], -1)
+            costly = (ids >= 0) & self.costly[np.maximum(ids, 0)]
+            new, first = np.unique(ids[costly], return_index=True)
+            paid = np.bincount(np.nonzero(costly)[0][first], minlength=rows.shape[0])
             self.costly[new] = False
-            self.out.append(self.out[-1] + new.size)
+            self.out.extend((self.out[-1] + np.cumsum(paid)).tolist())
         return np.array(self.out, dtype=np.int64)
