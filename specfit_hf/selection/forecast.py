@@ -60,8 +60,11 @@ class ExpertForecast:
             return None
         self.snapshot(tree)
         if self.current.root is None:
-            self.current.root = self.predictor.predict_root(tree)
-            self.current.nodes = np.zeros((0, *self.current.root.shape), dtype=np.int64)
+            if len(tree):  # a drafted tree: its nodes so far come with the root, in one predictor call
+                self.nodes(tree, np.arange(len(tree)))
+            else:
+                self.current.root = self.predictor.predict_root(tree)
+                self.current.nodes = np.zeros((0, *self.current.root.shape), dtype=np.int64)
         return self.current.root
 
     @property
