@@ -36,7 +36,7 @@ import numpy as np
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
 from .calibration import OnlineCostModel, mape, nonnegative_ridge
-from .gate import DraftCost, DraftingMeasurements, chain_novelty
+from .gate import DraftCost, DraftingMeasurements, current_novelty
 from .search import CostModel
 
 __all__ = ["CycleCostTracker", "default_cost_model", "node_novelty"]
@@ -95,7 +95,6 @@ class CycleCostTracker:
         self._root_xty = np.zeros(2)
         self._root_fit: np.ndarray | None = None  # (a_r, b_r) once enough guessed cycles are in
         self._models: dict[tuple[int, int, int | None], CostModel] = {}
-        self._novelty: tuple[int, np.ndarray] | None = None  # (drafting.version, chain_novelty)
 
     @property
     def model(self) -> CostModel:
@@ -156,20 +155,12 @@ class CycleCostTracker:
             g *= root  # the experts a node needs and the forecast missed are lacking as often as the root's are
             t0 = c.t0 + self.draft.predict(levels, nodes) + c.t_expert * (root - g - b * (root_predicted or 0))
             # a node computes the experts it adds: a chain's share per node at this depth
-            novel = self._chain_novelty()
+            novel = current_novelty(self.drafting)
             depth = min(max(levels, 1), novel.size - 1)
             per_node = c.t_novel * float(novel[depth]) / depth
             model = CostModel(max(t0, 1e-9), c.t_token + c.t_expert * g + per_node, c.t_expert * b)
             self._models[key] = model
         return model
-
-    def _chain_novelty(self) -> np.ndarray:
-        """:func:`~.gate.chain_novelty` of the drafting measurements, computed once per change of them
-        (the tree's look-ahead asks for a cost model per candidate size: hundreds of calls a cycle)."""
-        version = self.drafting.version
-        if self._novelty is None or self._novelty[0] != version:
-            self._novelty = (version, chain_novelty(self.drafting))
-        return self._novelty[1]
 
     def observe(self, tree: DraftTree, selection: Selection, record: CycleRecord,
                 predicted_added: int | None = None, root_loads: int | None = None,

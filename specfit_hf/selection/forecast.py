@@ -59,12 +59,8 @@ class ExpertForecast:
         if self.predictor is None:
             return None
         self.snapshot(tree)
-        if self.current.root is None:
-            if len(tree):  # a drafted tree: its nodes so far come with the root, in one predictor call
-                self.nodes(tree, np.arange(len(tree)))
-            else:
-                self.current.root = self.predictor.predict_root(tree)
-                self.current.nodes = np.zeros((0, *self.current.root.shape), dtype=np.int64)
+        if self.current.root is None:  # a drafted tree's nodes so far come with it
+            self._start(tree, np.arange(len(tree)))
         return self.current.root
 
     @property
@@ -77,14 +73,8 @@ class ExpertForecast:
         if self.predictor is None:
             return None
         self.snapshot(tree)
-        if self.current.root is None and need.size:  # the root with the first nodes: one predictor call
-            root, first = self.predictor.predict_with_root(tree, need)
-            self.current.root = root
-            self.current.nodes = np.full((len(tree), *root.shape), -1, dtype=np.int64)
-            self.current.done = np.zeros(len(tree), dtype=bool)
-            self.current.nodes[need] = first
-            self.current.done[need] = True
-        self.root(tree)
+        if self.current.root is None:
+            self._start(tree, need)
         pred = self.current
         grow = len(tree) - pred.nodes.shape[0]
         if grow > 0:
@@ -95,6 +85,20 @@ class ExpertForecast:
             pred.nodes[todo] = self.predictor.predict(tree, todo)
             pred.done[todo] = True
         return pred.nodes, pred.root
+
+    def _start(self, tree: DraftTree, need: np.ndarray) -> None:
+        """The cycle's first prediction: the root, with the ``need`` nodes in the same predictor call
+        (each call is mostly fixed host time)."""
+        pred = self.current
+        if need.size:
+            pred.root, first = self.predictor.predict_with_root(tree, need)
+        else:
+            pred.root, first = self.predictor.predict_root(tree), None
+        pred.nodes = np.full((len(tree), *pred.root.shape), -1, dtype=np.int64)
+        pred.done = np.zeros(len(tree), dtype=bool)
+        if first is not None:
+            pred.nodes[need] = first
+            pred.done[need] = True
 
     def root_missing(self, tree: DraftTree) -> int:
         """Predicted misses of verifying the root alone, against the cycle's residents."""

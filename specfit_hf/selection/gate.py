@@ -207,6 +207,8 @@ class DraftingMeasurements:
     lookup: LookupAcceptance = field(default_factory=LookupAcceptance)  # of prompt-lookup proposals
     # [context, accepted / tried, depth]: chain outcomes by the lookup proposal the cycle had (lookup_context)
     depth_context: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2, _MAX_CHAIN)))
+    # (version, chain_novelty) as last computed: the gate and the cost tracker read it many times a cycle
+    _novelty: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -289,6 +291,15 @@ def chain_novelty(state: DraftingMeasurements) -> np.ndarray:
     return out
 
 
+def current_novelty(state: DraftingMeasurements) -> np.ndarray:
+    """:func:`chain_novelty` of ``state``, computed once per change of the measurements (``state.version``):
+    the gate's ranking and the cost tracker's models read it many times a cycle."""
+    cached = state._novelty
+    if cached is None or cached[0] != state.version:
+        cached = state._novelty = (state.version, chain_novelty(state))
+    return cached[1]
+
+
 def _decayed_add(sums: np.ndarray | None, cycle: np.ndarray, a: float) -> np.ndarray:
     """Sums where each older cycle's weight shrinks by ``1 - a``."""
     return cycle.copy() if sums is None else (1 - a) * sums + cycle
@@ -342,7 +353,6 @@ class DraftingGate:
         self._figures: tuple[int, dict[str, tuple[float, float]]] | None = None
         self._chain_tokens: tuple[int, np.ndarray | None] | None = None
         self._acceptance: tuple[int, np.ndarray] | None = None
-        self._novelty: tuple[int, np.ndarray] | None = None
         state.exploring, state.explore_left = None, 0
 
     @property
@@ -452,10 +462,7 @@ class DraftingGate:
 
     def novelty(self) -> np.ndarray:
         """:func:`chain_novelty` of the measurements (cached until they change)."""
-        version = self.state.version
-        if self._novelty is None or self._novelty[0] != version:
-            self._novelty = (version, chain_novelty(self.state))
-        return self._novelty[1]
+        return current_novelty(self.state)
 
     def node_factor(self, kind: str) -> float:
         """What ``kind``'s verified nodes load against a drafted chain's (1 for the chains themselves)."""
