@@ -10,6 +10,8 @@ puts it behind this project's offload runtime with every expert resident, and me
 * target forwards over 1..64 query tokens after ``--past`` cached tokens, with random and
   repeated tokens (different numbers of *distinct* experts per layer, read from the runtime);
 * EAGLE-3 draft levels (the public draft's layer and lm_head) over 1..64 nodes;
+* SpecFit's expert heads on the draft (one linear per MoE layer and a top-k, ids copied to the host) over
+  1..64 nodes;
 * host->device copies of 1..16 experts from pinned memory (copy engine, side stream);
 
 and prints each beside the twin's modeled time (:mod:`specfit_hf.twin`, the same model of a
@@ -114,7 +116,9 @@ def build(twin: Twin, layers: int, reduce: int, device: torch.device, dtype: tor
     dcfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=min(vocab, max(64, d.draft_vocab // r)), hidden_size=hidden,
                         intermediate_size=max(8, d.intermediate // r), num_attention_heads=heads,
                         num_key_value_heads=kv, head_dim=head_dim, target_hidden_size=hidden,
-                        max_position_embeddings=4096)
+                        max_position_embeddings=4096,
+                        expert_predictor={"moe_layers": list(range(layers)), "num_experts": m.experts,
+                                          "top_k": m.top_k})
     draft = Eagle3DraftModel(dcfg).to(device=device, dtype=dtype).eval()
     spec_model = replace(m, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
                          moe_intermediate=inter, vocab=vocab, bytes_per_param=torch.finfo(dtype).bits // 8,
@@ -189,6 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         measured = _time(lambda: draft(ids, hidden_states=hidden[:, :t]), device, args.repeats)
         modeled = model_twin.draft_level_seconds(t, 0) + model_twin.draft_matmul_seconds(spec_model.draft.lm_head_params, t)
         rows.append(("draft level", f"nodes={t}", measured, modeled))
+    for t in args.draft_nodes:  # SpecFit's expert heads on the draft state (one linear per MoE layer, top-k)
+        rows_t = hidden[0, :t]
+        measured = _time(lambda: draft.predict_experts(rows_t).cpu(), device, args.repeats)
+        rows.append(("expert heads", f"nodes={t}", measured, model_twin.expert_heads_seconds(t)))
     layer = runtime.moe_layers[0]
     host = {name: w for name, w in runtime._layer(layer).host.items()}  # noqa: SLF001 - the real host copies
     slots = {name: w for name, w in runtime._layer(layer).slots.items()}  # noqa: SLF001

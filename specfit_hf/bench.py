@@ -317,7 +317,7 @@ class PromptRun:
     bytes_h2d: int
     predicted_cycle_seconds: list[float] = field(default_factory=list)
     measured_cycle_seconds: list[float] = field(default_factory=list)
-    select_seconds: float = 0.0
+    policy_seconds: float = 0.0  # the policy's host time: selection and learning (CycleRecord.observe_seconds)
     ttft_seconds: float = float("nan")
     decode_seconds: float = float("nan")
     decode_tokens: int = 0
@@ -437,7 +437,7 @@ def run_variant(
         measured_cycle_seconds=[c.cycle_seconds for c in cycles],
         cycle_shapes=[(c.levels_drafted, c.nodes_verified) for c in cycles],
         cycle_loads=[c.experts_loaded or 0 for c in cycles],
-        select_seconds=sum(c.select_seconds for c in cycles),
+        policy_seconds=sum(c.select_seconds + c.observe_seconds for c in cycles),
         ttft_seconds=first_t - t,
         decode_seconds=end - first_t,
         decode_tokens=len(new) - first_n,
@@ -567,7 +567,7 @@ def summarize(
             "cycle_time_mape_blind_floor_pct": blind,
             "cycle_time_mape_loads_known_pct": loads_known,
             "selection_overhead_share": (
-                sum(r.select_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
+                sum(r.policy_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
             ),
             "outputs_identical_to_autoregressive": all(r.new_tokens == reference[r.prompt_index] for r in vruns),
             "generations": len(vruns),
@@ -831,7 +831,7 @@ _TABLE_COLUMNS = (
     ("cycle MAPE %", "cycle_time_mape_pct", "{:.1f}"),
     ("MAPE routing-blind floor / loads known %", ("cycle_time_mape_blind_floor_pct", "cycle_time_mape_loads_known_pct"),
      "{:.1f} / {:.1f}"),
-    ("select share", "selection_overhead_share", "{:.1%}"),
+    ("policy share", "selection_overhead_share", "{:.1%}"),
     ("identical", "outputs_identical_to_autoregressive", "{}"),
 )
 

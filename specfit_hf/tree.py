@@ -276,8 +276,12 @@ class CycleRecord:
         tokens_committed: tokens appended to the sequence (accepted + bonus, after any
             truncation by max_new_tokens / eos); the accepted length tau.
         cycle_seconds / draft_seconds / select_seconds / verify_seconds: time on
-            :func:`specfit_hf.clock.clock` of the whole cycle / the drafter / the policy /
-            target forward + acceptance.
+            :func:`specfit_hf.clock.clock` of the whole cycle / the drafter / the policy's
+            selection / target forward + acceptance.
+        observe_seconds: the policy learning from the previous cycle (``observe``), which runs
+            after that cycle is recorded and is timed into this one: ``cycle_seconds`` covers every
+            host second of the decoding loop, and the policy's share of a cycle is
+            ``(select_seconds + observe_seconds) / cycle_seconds``.
         levels_drafted: draft levels grown this cycle (0: a plain decode step or a lookup chain).
         experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
             ``None`` without a runtime.
@@ -302,6 +306,7 @@ class CycleRecord:
     select_seconds: float
     verify_seconds: float
     levels_drafted: int = 0
+    observe_seconds: float = 0.0
     experts_loaded: int | None = None
     root_experts_loaded: int | None = None
     expected_tokens: float = math.nan

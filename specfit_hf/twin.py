@@ -10,7 +10,8 @@ clock (:mod:`specfit_hf.clock`) charges the twin's time, in place of this CPU's 
   it reads, FLOPs = 2 x active parameters x tokens + attention, host overhead = kernel
   launches x seconds per launch (zero for the ``+graphs`` variants);
 * every **draft forward** (an EAGLE-3 level: ``midlayer``; its ``lm_head``; the feature
-  projection ``fc``), by the same roofline on the public draft's sizes;
+  projection ``fc``; its expert heads, when it has them), by the same roofline on the public
+  draft's sizes (the heads: one linear per real MoE layer, draft hidden -> experts);
 * every **expert transfer**: bytes over the link plus its latency.
 
 Host-side Python (policy, search, bookkeeping, ``generate``'s own loop) stays real measured
@@ -85,6 +86,10 @@ SCALING = {
     "(bytes over the link + latency each)",
     "draft_level": "a tiny EAGLE-3 level (midlayer over T nodes) = the public draft's decoder layer over T nodes; "
     "its lm_head and fc calls likewise",
+    "expert_heads": "a call of the tiny draft's expert heads over T rows (predict_experts: the stacked heads' "
+    "matmul and top-k) = the real heads over T rows: one linear per real MoE layer, draft hidden -> E_real "
+    "(L_real x H_draft x E_real parameters), 3 launches; its host side (copying the ids back, bookkeeping) stays "
+    "measured",
     "host_time": "everything outside target/draft forwards and transfers is this host's measured time",
 }
 
@@ -158,6 +163,11 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
         return self.layers * 2 * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    @property
+    def expert_heads_params(self) -> int:
+        """SpecFit's expert predictor on the draft: one linear head per MoE layer, draft hidden -> experts."""
+        return self.layers * self.draft.hidden * self.experts
 
     @property
     def total_params(self) -> float:
@@ -246,6 +256,11 @@ class Twin:
         """Modeled seconds of a draft head (``lm_head`` or ``fc``) over ``tokens`` rows (2 launches)."""
         return self._roofline(params * 2, 2 * params * tokens, 2)
 
+    def expert_heads_seconds(self, tokens: int) -> float:
+        """Modeled seconds of the draft's expert heads over ``tokens`` rows (matmul, top-k, copy out: 3 launches)."""
+        params = self.model.expert_heads_params
+        return self._roofline(params * 2, 2 * params * tokens, 3)
+
     def expert_transfer_seconds(self) -> float:
         """One real expert over the link."""
         return self.model.expert_bytes / (self.link.gbps * 1e9) + self.link.latency_us * 1e-6
@@ -280,6 +295,7 @@ class Twin:
                 "draft_layer_params": m.draft.layer_params,
                 "draft_fc_params": m.draft.fc_params,
                 "draft_lm_head_params": m.draft.lm_head_params,
+                "draft_expert_heads_params": m.expert_heads_params,
             },
             "device": asdict(self.device),
             "link": asdict(self.link),
@@ -429,7 +445,8 @@ class TwinTimeline:
     keep their own (virtual link) advance.
 
     Attributes:
-        events: counts and modeled seconds per kind (``target``, ``draft_level``, ``draft_head``).
+        events: counts and modeled seconds per kind (``target``, ``draft_level``, ``draft_head``,
+            ``expert_heads``).
     """
 
     def __init__(self, twin: str | Twin, target: torch.nn.Module, draft: torch.nn.Module | None = None) -> None:
@@ -440,7 +457,9 @@ class TwinTimeline:
         self._stack: list[tuple[float, float]] = []
         self._saved_link: Any = None
         self._runtime: Any = None
-        self.events: dict[str, list[float]] = {"target": [0, 0.0], "draft_level": [0, 0.0], "draft_head": [0, 0.0]}
+        self.events: dict[str, list[float]] = {"target": [0, 0.0], "draft_level": [0, 0.0], "draft_head": [0, 0.0],
+                                               "expert_heads": [0, 0.0]}
+        self._restore: list[tuple[Any, str]] = []  # (object, attribute) of wrapped methods
         self.real_compute_seconds = 0.0
         self.copy_seconds = 0.0
 
@@ -465,6 +484,9 @@ class TwinTimeline:
             self._hook(mid, self._draft_level_cost)
             self._hook(self.draft.lm_head, lambda a, k, o: self._head_cost(d.lm_head_params, a))
             self._hook(self.draft.fc, lambda a, k, o: self._head_cost(d.fc_params, a))
+            if getattr(self.draft, "expert_heads", None) is not None and hasattr(self.draft, "predict_experts"):
+                # the heads run as one stacked matmul (no module call to hook): the method is wrapped
+                self._wrap(self.draft, "predict_experts", self._expert_heads_cost)
         return self
 
     def detach(self) -> None:
@@ -472,6 +494,9 @@ class TwinTimeline:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for obj, name in self._restore:
+            delattr(obj, name)  # the class's method shows through again
+        self._restore = []
         if self._runtime is not None:
             self._runtime.link = self._saved_link
             self._runtime = None
@@ -484,22 +509,41 @@ class TwinTimeline:
 
     def _hook(self, module: torch.nn.Module, cost: Any) -> None:
         def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            self._stack.append((_source_time(), self.copy_seconds))
+            self._begin()
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            start, copies_before = self._stack.pop()
-            if self._stack:  # nested inside another modeled forward: the outer one charges it
-                return
-            kind, modeled = cost(args, kwargs, output)
-            # the forward's CPU compute (and this hook's own arithmetic) is replaced; transfers keep their advance
-            real = _source_time() - start - (self.copy_seconds - copies_before)
-            self.events[kind][0] += 1
-            self.events[kind][1] += modeled
-            self.real_compute_seconds += real
-            advance(modeled - real)
+            self._end(cost, args, kwargs, output)
 
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+
+    def _wrap(self, obj: Any, name: str, cost: Any) -> None:
+        """Charge ``cost`` for calls of the method ``obj.name`` (an instance attribute until :meth:`detach`)."""
+        method = getattr(obj, name)
+
+        def charged(*args: Any, **kwargs: Any) -> Any:
+            self._begin()
+            output = method(*args, **kwargs)
+            self._end(cost, args, kwargs, output)
+            return output
+
+        setattr(obj, name, charged)
+        self._restore.append((obj, name))
+
+    def _begin(self) -> None:
+        self._stack.append((_source_time(), self.copy_seconds))
+
+    def _end(self, cost: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        start, copies_before = self._stack.pop()
+        if self._stack:  # nested inside another modeled forward: the outer one charges it
+            return
+        kind, modeled = cost(args, kwargs, output)
+        # the forward's CPU compute (and this hook's own arithmetic) is replaced; transfers keep their advance
+        real = _source_time() - start - (self.copy_seconds - copies_before)
+        self.events[kind][0] += 1
+        self.events[kind][1] += modeled
+        self.real_compute_seconds += real
+        advance(modeled - real)
 
     # ------------------------------------------------------------------ costs
     def _target_cost(self, args: tuple, kwargs: dict, output: Any) -> tuple[str, float]:
@@ -519,6 +563,11 @@ class TwinTimeline:
         hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states", args[0])
         tokens = int(hidden.shape[-2]) if hidden.dim() >= 2 else 1
         return "draft_level", self.twin.draft_level_seconds(tokens, 0)
+
+    def _expert_heads_cost(self, args: tuple, kwargs: dict, output: Any) -> tuple[str, float]:
+        hidden = args[0] if args else kwargs["hidden"]
+        rows = int(hidden.numel() // hidden.shape[-1]) if hidden.dim() else 1
+        return "expert_heads", self.twin.expert_heads_seconds(rows)
 
     def _head_cost(self, params: int, args: tuple) -> tuple[str, float]:
         x = args[0]

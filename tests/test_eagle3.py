@@ -56,6 +56,11 @@ def test_save_load_round_trip(tmp_path):
         assert torch.equal(pred, draft.predict_experts(h))
         assert torch.equal(pred[:, 1], loaded.expert_logits(h)[:, 1].topk(2, -1).indices)
 
+    # a draft built under inference_mode (inference tensors keep no version counter) predicts the same
+    with torch.inference_mode():
+        built = tiny_draft(expert_predictor={"moe_layers": [0, 2, 5], "num_experts": 8, "top_k": 2})
+        assert torch.equal(built.predict_experts(h), draft.predict_experts(h))
+
     # the drafter serves predictions for the root and every node of a tree
     target = tiny_target()
     drafter = loaded.make_tree_drafter(target, None)

@@ -189,6 +189,33 @@ def test_cycle_records(targets):
     assert isinstance(out.past_key_values, SpecFitCache)
 
 
+def test_policy_learning_time_is_counted_in_the_next_cycle(targets, monkeypatch):
+    # observe() runs after a cycle is recorded; its host time must land in a cycle (the next one)
+    # and be reported as policy time, else the policy's share of a cycle is understated
+    from specfit_hf.clock import advance, simulated
+    from specfit_hf.selection.policy import Eagle3Policy
+
+    learn = 0.003  # seconds each observe() takes (on the simulated clock)
+    original = Eagle3Policy.observe
+
+    def slow_observe(self, *args):
+        original(self, *args)
+        advance(learn)
+
+    monkeypatch.setattr(Eagle3Policy, "observe", slow_observe)
+    target = targets["llama"]
+    cfg = SpecFitConfig(policy="eagle3", max_new_tokens=10, do_sample=False, max_depth=2, tree_top_k=1,
+                        max_verify_nodes=2, return_dict_in_generate=True)
+    with simulated():
+        out = target.generate(prompts(1, seed=11)[0], assistant_model=tiny_llama(5, layers=1), generation_config=cfg)
+    cycles = out.cycles
+    assert len(cycles) >= 3
+    assert cycles[0].observe_seconds == 0.0  # nothing learnt before the first cycle
+    for c in cycles[1:]:
+        assert c.observe_seconds == pytest.approx(learn)
+        assert c.cycle_seconds == pytest.approx(learn)  # the only time that passed in it (host time frozen)
+
+
 def test_autoregressive_policy_skips_drafting(targets):
     target = targets["llama"]
     ids = prompts(1, seed=10)[0]

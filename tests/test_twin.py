@@ -119,6 +119,47 @@ def test_timeline_charges_modeled_time_for_forwards_and_misses(pair):
         TwinTimeline(twin, target, draft).attach()
 
 
+def test_expert_heads_are_charged_as_draft_work_on_the_twin(pair):
+    # the draft's expert heads run on the device in a deployment: their CPU time is replaced by the
+    # real heads' roofline (one linear per real MoE layer), and detach gives the method back
+    import time
+
+    target, _ = pair
+    draft = tiny_draft(expert_predictor={"moe_layers": [0, 1, 2, 3], "num_experts": 8, "top_k": 2})
+    twin = get_twin(RTX4090)
+    m = twin.model
+    assert m.expert_heads_params == 48 * 2048 * 128
+    rows = 7
+    expected = max(2 * m.expert_heads_params / 1008e9, 2 * m.expert_heads_params * rows / 165.2e12) + 3 * 3.07e-3 / 914
+    assert twin.expert_heads_seconds(rows) == pytest.approx(expected)
+    hidden = torch.randn(rows, draft.config.hidden_size)
+    reference = draft.predict_experts(hidden)
+    runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
+    try:
+        with TwinTimeline(twin, draft=draft, target=target) as timeline:
+            original = type(draft).predict_experts
+
+            def slow(self, *args, **kwargs):
+                time.sleep(0.05)  # a slow CPU: the twin replaces its time
+                return original(self, *args, **kwargs)
+
+            type(draft).predict_experts, saved = slow, original
+            try:
+                timeline.detach()
+                timeline.attach()  # wraps the (slow) method the class has now
+                start = clock()
+                out = draft.predict_experts(hidden)
+                span = clock() - start
+            finally:
+                type(draft).predict_experts = saved
+            assert torch.equal(out, reference)  # the twin changes the clock, never the result
+            assert span == pytest.approx(twin.expert_heads_seconds(rows), abs=2e-3)
+            assert timeline.events["expert_heads"][0] == 1
+        assert "predict_experts" not in vars(draft)  # detached: the class's method again
+    finally:
+        runtime.detach()
+
+
 def test_bench_with_a_twin_labels_rows_and_records_constants(pair):
     from specfit_hf.bench import run_benchmark
 
@@ -157,7 +198,7 @@ def test_twin_check_runs_reduced_on_cpu(capsys, example_module):
                         "--draft-nodes", "1", "8", "--copies", "1", "--repeats", "1", "--past", "16"])
     out = capsys.readouterr().out
     assert "MAPE" in out and "fitted host overhead" in out
-    assert set(mape) == {"target", "draft level", "H2D copy", "all"}
+    assert set(mape) == {"target", "draft level", "expert heads", "H2D copy", "all"}
     assert all(v >= 0 for v in mape.values())  # reported, not asserted against a bound
 
 

@@ -569,7 +569,8 @@ class Eagle3DraftModel(PreTrainedModel):
             return torch.stack([head(hidden) for head in heads], dim=-2)
         # inference runs after every draft level: one matmul over the stacked heads, stacked once
         # (again only when a head's weights are replaced or changed in place)
-        key = tuple((h.weight.data_ptr(), h.weight._version) for h in heads)
+        # (inference tensors, e.g. a draft built under torch.inference_mode, keep no version counter)
+        key = tuple((h.weight.data_ptr(), -1 if h.weight.is_inference() else h.weight._version) for h in heads)
         stacked = getattr(self, "_stacked_heads", None)
         if stacked is None or stacked[0] != key:
             bias = None if heads[0].bias is None else torch.cat([h.bias for h in heads]).detach()

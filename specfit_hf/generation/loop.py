@@ -233,8 +233,10 @@ def tree_speculative_decoding(
         if streamer is not None:
             streamer.put(first.cpu())
 
+        # Every host second of the loop lands in a cycle: the policy learns from a cycle after it is
+        # recorded, so that learning is timed into the next cycle (``CycleRecord.observe_seconds``).
+        cycle_start, observe_s = clock(), 0.0
         while not finished:
-            cycle_start = clock()
             loads_before = None if experts is None else experts.loads()
             root_loads_before = None if experts is None else experts.root_loads()
             uses_before = None if experts is None else experts.first_uses()
@@ -293,6 +295,7 @@ def tree_speculative_decoding(
                 cycle_seconds=clock() - cycle_start,
                 draft_seconds=candidates.draft_seconds,
                 select_seconds=candidates.select_seconds,
+                observe_seconds=observe_s,
                 verify_seconds=verify_s,
                 levels_drafted=candidates.tree.num_levels if candidates.tree.source == "draft" else 0,
                 source=candidates.tree.source,
@@ -304,7 +307,9 @@ def tree_speculative_decoding(
                 row_loads=row_loads,
             )
             records.append(record)
+            cycle_start = clock()
             candidate_generator.observe(candidates, result, record)
+            observe_s = clock() - cycle_start
     finally:
         capture.close()
 
