@@ -182,3 +182,21 @@ def test_shipped_pair_speculates_losslessly_with_real_acceptance(draft, target):
     # A random draft commits ~1 token per cycle (just the bonus token); the trained one
     # averages ~4.4 on GSM8K test prompts.
     assert tau > 1.5, tau
+
+
+def test_shipped_pair_speculates_under_inference_mode(target):
+    # a draft loaded under torch.inference_mode holds inference tensors (rope frequencies, expert heads), which
+    # keep no version counter for its cached tables to check: SpecFit must run with it and stay lossless
+    from specfit_hf.eagle3 import Eagle3DraftModel
+    from specfit_hf.generation import SpecFitConfig
+
+    _require(PATHS.draft)
+    model, tokenizer = target
+    question, _ = GSM8K_TEST_SNIPPETS[1]
+    enc = tokenizer(format_gsm8k_prompt(question), return_tensors="pt")
+    with torch.inference_mode():
+        draft = Eagle3DraftModel.from_pretrained(PATHS.draft).eval()
+        greedy = model.generate(**enc, max_new_tokens=16, do_sample=False)
+        config = SpecFitConfig(policy="specfit", max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(**enc, assistant_model=draft, generation_config=config)
+    assert torch.equal(out.sequences, greedy)

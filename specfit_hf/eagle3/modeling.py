@@ -51,6 +51,12 @@ __all__ = [
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (what cached tables derived from ``t`` are checked against); -1 for an
+    inference tensor (made under ``torch.inference_mode``), which keeps none."""
+    return -1 if t.is_inference() else t._version
+
+
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -474,7 +480,7 @@ class Eagle3DraftModel(PreTrainedModel):
         if (
             table is not None
             and table[0] is inv_freq
-            and table[1] == inv_freq._version
+            and table[1] == _version(inv_freq)
             and table[2] >= size
             and table[3] == like.dtype
             and table[4] == like.device
@@ -485,7 +491,7 @@ class Eagle3DraftModel(PreTrainedModel):
             return None
         n = 1 << max(8, (size - 1).bit_length())  # grows by doubling
         cos_sin = rope(like, torch.arange(n, device=like.device)[None])
-        self.__dict__["_rope_table"] = (inv_freq, inv_freq._version, n, like.dtype, like.device, cos_sin)
+        self.__dict__["_rope_table"] = (inv_freq, _version(inv_freq), n, like.dtype, like.device, cos_sin)
         return cos_sin
 
     def step(
@@ -569,8 +575,7 @@ class Eagle3DraftModel(PreTrainedModel):
             return torch.stack([head(hidden) for head in heads], dim=-2)
         # inference runs after every draft level: one matmul over the stacked heads, stacked once
         # (again only when a head's weights are replaced or changed in place)
-        # (inference tensors, e.g. a draft built under torch.inference_mode, keep no version counter)
-        key = tuple((h.weight.data_ptr(), -1 if h.weight.is_inference() else h.weight._version) for h in heads)
+        key = tuple((h.weight.data_ptr(), _version(h.weight)) for h in heads)
         stacked = getattr(self, "_stacked_heads", None)
         if stacked is None or stacked[0] != key:
             bias = None if heads[0].bias is None else torch.cat([h.bias for h in heads]).detach()
