@@ -155,7 +155,7 @@ def _run_policies(args, target, draft, cfg, measure, captured):
             lossless &= bool(torch.equal(out.sequences, ref))
             tokens += out.sequences.shape[1] - p.shape[1]
             cycles += len(out.cycles)
-            no_policy_seconds += sum(c.cycle_seconds - c.select_seconds - c.observe_seconds for c in out.cycles)
+            no_policy_seconds += sum(c.cycle_seconds - c.policy_seconds for c in out.cycles)
             verified += sum(c.nodes_verified for c in out.cycles)
             loaded += runtime.stats.total.misses
         print(f"{label:<24} {tokens / seconds:>7.2f} {tokens / no_policy_seconds:>7.2f} {tokens / cycles:>5.2f}"

@@ -117,7 +117,7 @@ def main() -> None:
         cyc_s = sum(c.cycle_seconds for c in cycles)
         share = lambda x: 100.0 * x / cyc_s  # noqa: E731
         draft_s = sum(c.draft_seconds for c in cycles)
-        select_s = sum(c.select_seconds + c.observe_seconds for c in cycles)  # the policy: selection and learning
+        select_s = sum(c.policy_seconds for c in cycles)  # the policy: selection and learning
         verify_s = sum(c.verify_seconds for c in cycles)
         print(
             f"{name:8s} {statistics.mean(c.tokens_committed for c in cycles):5.2f} {tokens / total_s:8.1f} "

@@ -8,7 +8,7 @@ dataset, each generation from a flushed expert cache; medians over the ``CycleRe
     python examples/profile_cycle.py --link qwen3-pcie4            # CPU compute, emulated link (virtual clock)
 
 The policy column is its selection after every draft level plus its learning from the previous cycle
-(``select_seconds + observe_seconds``); "policy share" is its median share of a cycle.
+(``CycleRecord.policy_seconds``); "policy share" is its median share of a cycle.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ def profile(records: list[Any]) -> dict[str, float]:
         "cycles": len(records),
         "cycle_ms": med([1e3 * c.cycle_seconds for c in records]),
         "draft_ms": med([1e3 * c.draft_seconds for c in records]),
-        "policy_ms": med([1e3 * (c.select_seconds + c.observe_seconds) for c in records]),
+        "policy_ms": med([1e3 * c.policy_seconds for c in records]),
         "verify_ms": med([1e3 * c.verify_seconds for c in records]),
-        "policy_share": med([(c.select_seconds + c.observe_seconds) / c.cycle_seconds
-                             for c in records if c.cycle_seconds > 0]),
+        "policy_share": med([c.policy_seconds / c.cycle_seconds for c in records if c.cycle_seconds > 0]),
         "drafting_share": len(drafting) / max(1, len(records)),
         "nodes_drafted": med([c.nodes_drafted for c in drafting]),
         "nodes_verified": med([c.nodes_verified for c in drafting]),

@@ -437,7 +437,7 @@ def run_variant(
         measured_cycle_seconds=[c.cycle_seconds for c in cycles],
         cycle_shapes=[(c.levels_drafted, c.nodes_verified) for c in cycles],
         cycle_loads=[c.experts_loaded or 0 for c in cycles],
-        policy_seconds=sum(c.select_seconds + c.observe_seconds for c in cycles),
+        policy_seconds=sum(c.policy_seconds for c in cycles),
         ttft_seconds=first_t - t,
         decode_seconds=end - first_t,
         decode_tokens=len(new) - first_n,

@@ -281,7 +281,7 @@ class CycleRecord:
         observe_seconds: the policy learning from the previous cycle (``observe``), which runs
             after that cycle is recorded and is timed into this one: ``cycle_seconds`` covers every
             host second of the decoding loop, and the policy's share of a cycle is
-            ``(select_seconds + observe_seconds) / cycle_seconds``.
+            ``policy_seconds / cycle_seconds`` (``policy_seconds = select_seconds + observe_seconds``).
         levels_drafted: draft levels grown this cycle (0: a plain decode step or a lookup chain).
         experts_loaded: expert loads (cache misses) of the offload runtime in this cycle,
             ``None`` without a runtime.
@@ -314,6 +314,11 @@ class CycleRecord:
     source: str = "draft"
     row_experts: tuple[int, ...] | None = None
     row_loads: tuple[int, ...] | None = None
+
+    @property
+    def policy_seconds(self) -> float:
+        """The policy's host time in this cycle: its selection and its learning from the previous cycle."""
+        return self.select_seconds + self.observe_seconds
 
 
 @dataclass

@@ -213,6 +213,7 @@ def test_policy_learning_time_is_counted_in_the_next_cycle(targets, monkeypatch)
     assert cycles[0].observe_seconds == 0.0  # nothing learnt before the first cycle
     for c in cycles[1:]:
         assert c.observe_seconds == pytest.approx(learn)
+        assert c.policy_seconds == pytest.approx(c.select_seconds + learn)
         assert c.cycle_seconds == pytest.approx(learn)  # the only time that passed in it (host time frozen)
 
 
