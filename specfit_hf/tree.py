@@ -238,6 +238,10 @@ class Selection:
     # rule (the ``tree_top_k`` most likely nodes, ``tree_top_k`` children each).
     expand: torch.Tensor | None = None
     children: int | None = None
+    # Draft this many levels before the policy is asked again: the first by ``expand`` /
+    # ``children``, each further one below the newest level with ``children`` each (a fixed
+    # chain's drafting is decided up front, and a policy call per level is host time).
+    levels: int = 1
     # ``nodes`` index the cycle's prompt-lookup chain (``CycleContext.lookup``) instead of the
     # draft tree: the cycle verifies tokens copied from the context and drafts nothing.
     lookup: bool = False

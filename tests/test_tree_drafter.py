@@ -106,3 +106,51 @@ def test_draft_level_benchmark_times_chains(example_module):
     draft = Eagle3DraftModel.from_pretrained(paths.draft)
     seconds = module.chain_level_seconds(target, draft, prompt_len=16, depth=4, reps=2, trees_per_rep=1)
     assert 0.0 < seconds < 1.0
+
+
+@pytest.mark.parametrize("policy_name", ["eagle3", "plan3"])
+def test_drafting_plan_of_several_levels(policy_name):
+    """A selection with ``levels = n`` drafts n levels before the policy is asked again: the fixed
+    shapes (eagle3) ask twice a cycle whatever their depth, and the tree is the one drafted level by level."""
+    from specfit_hf.generation import TreeCandidateGenerator
+    from specfit_hf.selection import get_policy
+    from specfit_hf.selection.policy import SelectionPolicy
+    from specfit_hf.tree import CycleContext, Selection
+
+    class PlanThree(SelectionPolicy):  # a 1-child chain, three levels planned at once, then verified
+        def select(self, tree, ctx):
+            if len(tree) == 0:
+                return Selection(nodes=torch.empty(0, dtype=torch.long), stop=False, children=1, levels=3)
+            return Selection(nodes=torch.arange(len(tree)), stop=True)
+
+    target = tiny_llama(0)
+    depth = 4 if policy_name == "eagle3" else 3
+    cfg = SpecFitConfig(max_depth=depth, tree_top_k=2, max_verify_nodes=5)
+    calls = []
+
+    def counted(policy):
+        inner = policy.select
+        policy.select = lambda tree, ctx: calls.append(len(tree)) or inner(tree, ctx)
+        return policy
+
+    def grown(plan: bool):
+        drafter = make_drafter(tiny_llama(6, layers=1), target, cfg)
+        drafter.start(torch.tensor([[1, 2, 3]]), None)
+        if plan:
+            policy = counted(get_policy("eagle3", cfg) if policy_name == "eagle3" else PlanThree(cfg))
+            gen = TreeCandidateGenerator(drafter, policy, CycleContext(target, cfg), depth, "cpu", torch.float32)
+            return gen.propose(4, 3).tree
+        tree = DraftTree(root_token=4)  # the same drafter's rule, one level per call
+        for _ in range(depth):
+            drafter.draft_level(tree, children=1 if policy_name == "plan3" else None)
+        return tree
+
+    planned, stepwise = grown(True), grown(False)
+    assert calls == [0, len(planned)]  # before drafting, and once the planned levels are in
+    assert planned.num_levels == depth
+    assert planned.tokens.tolist() == stepwise.tokens.tolist()
+    assert planned.parents.tolist() == stepwise.parents.tolist()
+    if policy_name == "plan3":
+        assert len(planned) == 3  # one child a level
+    else:
+        assert len(planned) == 2 + 2 * 2 * 3  # the drafter's own rule: top-2 of the newest level, 2 children each

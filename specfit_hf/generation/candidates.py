@@ -237,6 +237,13 @@ class TreeCandidateGenerator(CandidateGenerator):
                 self.drafter.draft_level(tree)  # the drafter's own frontier rule
             else:
                 self.drafter.draft_level(tree, expand=selection.expand, children=selection.children)
+            for _ in range(selection.levels - 1):  # the further levels of the plan: below the newest level
+                if tree.num_levels >= self.max_depth:
+                    break
+                if selection.children is None:
+                    self.drafter.draft_level(tree)
+                else:
+                    self.drafter.draft_level(tree, children=selection.children)
             draft_s += clock() - t
             t = clock()
             selection = self.policy.select(tree, self.ctx)

@@ -208,6 +208,8 @@ class DraftHeadPredictor(ExpertPredictor):
         where = {layer: i for i, layer in enumerate(head_layers)}
         # position of each runtime MoE layer among the draft's heads (-1: no head)
         self._head_of = np.array([where.get(layer, -1) for layer in experts.moe_layers], dtype=np.int64)
+        # one head per MoE layer, in the runtime's order (the usual case): the heads' output is the prediction
+        self._one_to_one = bool(np.array_equal(self._head_of, np.arange(len(head_layers))))
 
     @staticmethod
     def supported(draft: Any) -> bool:
@@ -223,6 +225,8 @@ class DraftHeadPredictor(ExpertPredictor):
         if n == 0:
             return out
         pred = self.draft.predict_experts(hidden, top_k=self.top_k).detach().cpu().numpy()  # [n, L_heads, k]
+        if self._one_to_one and pred.shape[2] == self.top_k:
+            return pred.astype(np.int64, copy=False)
         has = self._head_of >= 0
         out[:, has] = pred[:, self._head_of[has], : self.top_k]
         return out
@@ -241,7 +245,9 @@ class DraftHeadPredictor(ExpertPredictor):
         if tree.root_hidden is None or tree.hidden is None:
             return super().predict_with_root(tree, nodes)
         # one call of the heads for the root and the nodes: each call is mostly fixed host time
-        block = torch.cat([tree.root_hidden.reshape(1, -1), tree.hidden[torch.as_tensor(nodes, dtype=torch.long)]])
+        every = len(nodes) == tree.hidden.shape[0] and np.array_equal(nodes, np.arange(len(nodes)))
+        rows = tree.hidden if every else tree.hidden[torch.as_tensor(nodes, dtype=torch.long)]
+        block = torch.cat([tree.root_hidden.reshape(1, -1), rows])
         out = self._heads(block)
         return out[0], out[1:]
 

@@ -143,6 +143,8 @@ class ExpertForecast:
         pred = self.current
         if pred.chain is None:
             pred.chain = _ChainMisses(pred.root, pred.cached)
+            if pred.root_missing is None:  # the root's misses, counted once (root_missing asks next)
+                pred.root_missing = pred.chain.out[0]
         return pred.chain.extend(pred.nodes)
 
     def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:

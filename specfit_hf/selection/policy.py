@@ -141,9 +141,13 @@ class Eagle3Policy(SelectionPolicy):
     """EAGLE-2/3 dynamic tree: draft ``max_depth`` levels, verify the top ``max_verify_nodes``."""
 
     def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
+        depth = int(self.config.max_depth)
+        if len(tree) == 0 and depth > 0:
+            # every level is drafted by the drafter's own rule and only the last selection is
+            # verified: the whole drafting plan up front, one call instead of one per level
+            return Selection(nodes=torch.empty(0, dtype=torch.long), stop=False, levels=depth)
         nodes = top_n_by_path_prob(tree, int(self.config.max_verify_nodes))
-        stop = tree.num_levels >= int(self.config.max_depth)
-        return Selection(nodes=nodes, stop=stop)
+        return Selection(nodes=nodes, stop=tree.num_levels >= depth)
 
 
 @register_policy("autoregressive")
