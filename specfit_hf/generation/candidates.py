@@ -233,17 +233,14 @@ class TreeCandidateGenerator(CandidateGenerator):
         while not selection.lookup and not selection.stop and tree.num_levels < self.max_depth:
             size_before = len(tree)
             t = clock()
-            if selection.expand is None and selection.children is None:
-                self.drafter.draft_level(tree)  # the drafter's own frontier rule
-            else:
-                self.drafter.draft_level(tree, expand=selection.expand, children=selection.children)
-            for _ in range(selection.levels - 1):  # the further levels of the plan: below the newest level
-                if tree.num_levels >= self.max_depth:
+            for level in range(selection.levels):  # the plan's further levels grow below the newest level
+                if level and tree.num_levels >= self.max_depth:
                     break
-                if selection.children is None:
-                    self.drafter.draft_level(tree)
+                expand = selection.expand if level == 0 else None
+                if expand is None and selection.children is None:
+                    self.drafter.draft_level(tree)  # the drafter's own frontier rule
                 else:
-                    self.drafter.draft_level(tree, children=selection.children)
+                    self.drafter.draft_level(tree, expand=expand, children=selection.children)
             draft_s += clock() - t
             t = clock()
             selection = self.policy.select(tree, self.ctx)

@@ -221,12 +221,12 @@ class DraftHeadPredictor(ExpertPredictor):
 
     def _heads(self, hidden: torch.Tensor) -> np.ndarray:
         n = hidden.shape[0]
-        out = self._empty(n)
         if n == 0:
-            return out
+            return self._empty(0)
         pred = self.draft.predict_experts(hidden, top_k=self.top_k).detach().cpu().numpy()  # [n, L_heads, k]
         if self._one_to_one and pred.shape[2] == self.top_k:
             return pred.astype(np.int64, copy=False)
+        out = self._empty(n)
         has = self._head_of >= 0
         out[:, has] = pred[:, self._head_of[has], : self.top_k]
         return out
