@@ -194,11 +194,15 @@ class LookupProposal:
             are accepted more often, so acceptance is estimated per ``ngram``.
         from_prompt: the continuation is copied from the prompt (else from the generated text,
             which a model repeats at other rates than it copies its prompt).
+        source: context position of the first copied token (``None``: unknown), so the matched
+            suffix's earlier occurrence ends at ``source - 1``; a repeat routes much like its
+            original, which the expert forecast reads there.
     """
 
     tokens: tuple[int, ...]
     ngram: int
     from_prompt: bool = False
+    source: int | None = None
 
     def tree(self, root_token: int, length: int | None = None) -> DraftTree:
         """The first ``length`` tokens (default: all) as a chain below ``root_token``.

@@ -22,7 +22,8 @@ def _brute_force_proposal(seq: list[int], max_ngram: int, max_tokens: int, promp
         suffix = seq[len(seq) - n:]
         for start in range(len(seq) - n - 1, -1, -1):  # occurrences that end before the last token
             if seq[start:start + n] == suffix:
-                return LookupProposal(tuple(seq[start + n:start + n + max_tokens]), n, start + n < prompt_len)
+                return LookupProposal(tuple(seq[start + n:start + n + max_tokens]), n, start + n < prompt_len,
+                                      source=start + n)
     return None
 
 
@@ -30,10 +31,10 @@ def test_proposal_is_the_continuation_of_the_latest_longest_match():
     lookup = PromptLookup(max_ngram=3, max_tokens=4)
     lookup.start([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 1, 2], prompt_len=9)
     # suffix [1, 2] occurred at 1 and 6; the latest (6) is followed by 3, 7, 1, 2 (3 is in the prompt)
-    assert lookup.propose() == LookupProposal((3, 7, 1, 2), 2, from_prompt=True)
+    assert lookup.propose() == LookupProposal((3, 7, 1, 2), 2, from_prompt=True, source=8)
     lookup.extend([3])
     # now [1, 2, 3] matches (twice): the latest continuation is 7, 1, 2, 3 (generated)
-    assert lookup.propose() == LookupProposal((7, 1, 2, 3), 3, from_prompt=False)
+    assert lookup.propose() == LookupProposal((7, 1, 2, 3), 3, from_prompt=False, source=9)
     lookup.extend([4])
     assert lookup.propose() is None  # 4 never occurred before
     assert len(lookup) == 14
@@ -289,3 +290,109 @@ def test_lookup_chain_must_beat_the_draft_where_the_text_repeats():
         decisions[context] = policy._lookup_cycle(proposal)
     assert decisions[c_strong] is None  # the draft's chain is right every time here
     assert decisions[c_weak] is not None and decisions[c_weak].lookup  # here it never is
+
+
+def test_context_routing_keeps_every_positions_routing_in_order():
+    from specfit_hf.selection.forecast import ContextRouting
+
+    memory = ContextRouting()
+    assert not memory.active and memory.at(0, 1) is None
+    prompt = np.arange(3 * 2 * 2).reshape(3, 2, 2)  # 3 positions, 2 layers, top-2
+    memory.start(prompt)
+    for step in range(5):  # grows past its first size
+        memory.append(np.full((2, 2, 2), 100 + step))
+    assert memory.length == 13
+    np.testing.assert_array_equal(memory.at(0, 3), prompt)
+    np.testing.assert_array_equal(memory.at(3, 2), np.full((2, 2, 2), 100))
+    tail = memory.at(12, 3)  # the last known position, then two not routed yet
+    np.testing.assert_array_equal(tail[0], np.full((2, 2), 104))
+    assert (tail[1:] == -1).all()
+    assert memory.at(-1, 2) is None
+    memory.append(np.zeros((1, 3, 2), dtype=np.int64))  # another shape: it stops rather than misalign
+    assert not memory.active and memory.at(0, 1) is None
+
+
+class _Residents:
+    """A read-only view stand-in: fixed residents, and the routing of a 'last forward'."""
+
+    def __init__(self, resident: np.ndarray, routing: np.ndarray | None = None) -> None:
+        self._resident, self.routing = resident, routing
+
+    def resident(self) -> np.ndarray:
+        return self._resident.copy()
+
+    def last_routing(self, rows: int | None = None) -> np.ndarray | None:
+        if self.routing is None or (rows is not None and rows != self.routing.shape[0]):
+            return None
+        return self.routing
+
+
+def test_lookup_misses_count_what_the_repeated_text_routed_to():
+    """The root is guessed by the match's last position, each copied token by its original: a prefix
+    pays the non-resident experts it adds, and adds distinct experts in roots' worth."""
+    from specfit_hf.selection.forecast import ExpertForecast
+
+    resident = np.zeros((2, 8), dtype=bool)
+    resident[:, :4] = True  # experts 0-3 of both layers are on the device
+    prompt = np.array([[[0, 1], [0, 1]],    # position 0
+                       [[0, 5], [1, 2]],    # 1: the match's last token (the root's guess): misses 5 in layer 0
+                       [[5, 6], [2, 3]],    # 2: the first copied token: adds 6 (miss) in layer 0, 3 (resident)
+                       [[7, 6], [0, 7]]])   # 3: the second: adds 7 in layer 0 and 0, 7 in layer 1
+    view = _Residents(resident, routing=prompt)
+    forecast = ExpertForecast(None, view)
+    forecast.start_context(4)
+    misses, added = forecast.lookup_misses(LookupProposal((9, 9, 9), 2, source=2))
+    np.testing.assert_array_equal(misses, [1, 2, 4, 4])  # the third copied token is not routed yet
+    np.testing.assert_allclose(added, np.array([0, 2, 5, 5]) / 4)
+    assert forecast.lookup_misses(LookupProposal((9,), 1)) is None  # no source position: no guess
+    assert forecast.lookup_misses(None) is None
+    # a verify of the root (position 4) and one node, the root and the node accepted: two more positions
+    view.routing = np.array([[[1, 2], [1, 2]], [[3, 4], [3, 4]]])
+    forecast.remember(4, 1, [0, 1])
+    assert forecast.context.length == 6
+    np.testing.assert_array_equal(forecast.context.at(5, 1)[0], [[3, 4], [3, 4]])
+    forecast.remember(9, 0, [0])  # a root the context does not reach: the positions no longer line up
+    assert not forecast.context.active
+
+
+def test_specfits_context_routing_is_the_targets_routing_of_every_position():
+    """After a generation with lookup and drafted cycles, the remembered routing of each position is
+    what the target routes that token to when it reads the whole sequence at once."""
+    from specfit_hf import offload_experts
+    from specfit_hf.clock import simulated
+    from specfit_hf.selection import SpecFitPolicy
+
+    torch.set_num_threads(1)
+    target = tiny_qwen3_moe(0)
+    draft = tiny_llama(7, layers=1)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=4)
+    seen = []
+    original = SpecFitPolicy.observe
+
+    def spy(self, tree, selection, result, record):
+        original(self, tree, selection, result, record)
+        seen.append((self, tree.source, self._context_guess))
+
+    SpecFitPolicy.observe = spy
+    try:
+        matched = total = 0
+        for ids in _looping_prompts(target.config.vocab_size, 6, seed=5):
+            seen.clear()
+            cfg = SpecFitConfig(max_new_tokens=24, do_sample=False, max_depth=3, tree_top_k=2,
+                                return_dict_in_generate=True, policy_kwargs={"share_drafting": False})
+            with simulated():
+                out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+            memory = seen[-1][0].forecast.context
+            seq = out.sequences
+            assert memory.active and memory.length == seq.shape[1] - 1  # all but the last bonus token
+            with torch.no_grad():
+                target(seq[:, :memory.length])
+            whole = runtime.view().last_routing()
+            remembered = memory.at(0, memory.length)
+            same = (np.sort(whole, axis=-1) == np.sort(remembered, axis=-1)).all(axis=(1, 2))
+            matched, total = matched + int(same.sum()), total + same.size
+            assert any(guess is not None for _, _, guess in seen)  # plain steps / lookup chains were guessed
+    finally:
+        SpecFitPolicy.observe = original
+        runtime.detach()
+    assert matched >= 0.98 * total  # an incremental forward may flip a near-tie of the router

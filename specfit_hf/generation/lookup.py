@@ -71,5 +71,5 @@ class PromptLookup:
             start = after.get(tuple(seq[len(seq) - n:]))
             if start is not None:
                 return LookupProposal(tokens=tuple(seq[start:start + self.max_tokens]), ngram=n,
-                                      from_prompt=start < self._prompt_len)
+                                      from_prompt=start < self._prompt_len, source=start)
         return None

@@ -94,6 +94,9 @@ class CycleCostTracker:
         self._root_xtx = np.zeros((2, 2))  # decayed normal equations of root loads ~ a_r + b_r * guess
         self._root_xty = np.zeros(2)
         self._root_fit: np.ndarray | None = None  # (a_r, b_r) once enough guessed cycles are in
+        self._context_xtx = np.zeros((2, 2))  # decayed normal equations of loads ~ a_c + b_c * context guess
+        self._context_xty = np.zeros(2)
+        self._context_fit = np.array([0.0, 1.0])  # before data: the guess as it is
         self._models: dict[tuple[int, int, int | None], CostModel] = {}
 
     @property
@@ -123,6 +126,14 @@ class CycleCostTracker:
         if guess is None or self._root_fit is None:
             return self.root_loads
         return float(self._root_fit[0] + self._root_fit[1] * guess)
+
+    def context_loads(self, guess: int | np.ndarray) -> float | np.ndarray:
+        """Experts a plain step or a lookup chain is expected to load when the routing of the text it
+        repeats (:meth:`~.forecast.ExpertForecast.lookup_misses`) says ``guess`` of them are not resident
+        (a count, or an array of them): ``a_c + b_c * guess``, fitted on such cycles (the guess itself
+        before any)."""
+        out = self._context_fit[0] + self._context_fit[1] * np.asarray(guess, dtype=np.float64)
+        return float(out) if out.ndim == 0 else out
 
     @property
     def node_loads(self) -> tuple[float, float]:
@@ -164,17 +175,25 @@ class CycleCostTracker:
 
     def observe(self, tree: DraftTree, selection: Selection, record: CycleRecord,
                 predicted_added: int | None = None, root_loads: int | None = None,
-                root_guess: int | None = None) -> None:
+                root_guess: int | None = None, context_guess: int | None = None) -> None:
         """Learn from a measured cycle.
 
         ``predicted_added``: the misses the forecast predicted the verified nodes add to the
         root's; ``root_loads``: the loads the root alone needed (a plain cycle: all of them; ``None``
         when unknown: a drafting cycle's loads then teach nothing about loads); ``root_guess``: the
-        root's predicted misses this cycle was priced with (``None``: no guess).
+        root's predicted misses this cycle was priced with (``None``: no guess); ``context_guess``:
+        a plain step's or lookup chain's misses as the repeated text's routing predicted them
+        (:meth:`context_loads`).
         """
         self._models.clear()
         seconds, draft_s, select_s = record.cycle_seconds, record.draft_seconds, record.select_seconds
         loads = record.experts_loaded
+        if loads is not None and context_guess is not None:
+            x = np.array([1.0, float(context_guess)])
+            self._context_xtx = _ROOT_DECAY * self._context_xtx + np.outer(x, x)
+            self._context_xty = _ROOT_DECAY * self._context_xty + x * float(loads)
+            self._context_fit = nonnegative_ridge(self._context_xtx, self._context_xty, np.array([0.0, 1.0]),
+                                                  _ROOT_RIDGE)
         if loads is not None and (root_loads is not None or not record.nodes_verified):
             # a drafting cycle whose root's share is unknown teaches nothing about loads
             root = loads if not record.nodes_verified else min(root_loads, loads)

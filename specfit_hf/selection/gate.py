@@ -471,13 +471,13 @@ class DraftingGate:
         loaded, forecast = self.state.own_node_sums.get(kind, (0.0, 0.0))
         return (loaded + _OWN_NODE_PRIOR) / (forecast + _OWN_NODE_PRIOR)
 
-    def node_seconds(self, depth: int, kind: str = LOOKUP) -> np.ndarray | None:
+    def node_seconds(self, depth: int, kind: str = LOOKUP, transfers: bool = True) -> np.ndarray | None:
         """Seconds each of ``depth`` more verified tokens of ``kind`` in a chain costs now: its compute and
-        the experts it adds (``None`` before the verification fit exists)."""
+        (``transfers``) the loads of the experts it adds (``None`` before the verification fit exists)."""
         verify = self.state.verify.last_fit if self.state.verify is not None else None
         if verify is None:
             return None
-        loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
+        loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind) if transfers else 0.0
         per_new = verify.t_novel + self.state.t_expert * loads
         added = np.diff(_novel(self.novelty(), np.arange(depth + 1)))
         return verify.t_token + per_new * added
@@ -499,6 +499,12 @@ class DraftingGate:
         ``load_factor`` scales the root's expected loads."""
         tokens, seconds, cycles = self.state.sums["plain"][:3].tolist()
         return tokens / cycles, seconds / cycles + self.state.t_expert * (self.state.root_loads or 0.0) * load_factor
+
+    def plain_seconds(self, loads: float) -> float:
+        """Seconds of a plain step that loads ``loads`` experts: its compute as measured, its transfers at
+        the current rate."""
+        tokens, seconds, cycles = self.state.sums["plain"][:3].tolist()
+        return seconds / cycles + self.state.t_expert * loads
 
     def lookup_root_seconds(self) -> float:
         """A lookup chain's root: a plain step whose loads are what lookup roots loaded against the root mean.
