@@ -56,13 +56,13 @@ class ExpertCacheView:
         per_layer = []
         for layer in self.moe_layers:
             routed = self._runtime.last_routing(layer)
-            if routed is None:
+            if routed is None or (rows is not None and routed.shape[0] != rows):
                 return None
-            per_layer.append(routed.detach().cpu().reshape(routed.shape[0], -1).numpy())
-        out = np.stack(per_layer, axis=1).astype(np.int64)
-        if rows is not None and out.shape[0] != rows:
+            per_layer.append(routed.detach().reshape(routed.shape[0], -1))
+        if len({t.shape for t in per_layer}) > 1:  # layers of another row count: not one forward's
             return None
-        return out
+        # one stack and one copy to the host (a copy per layer is a device sync each, every cycle)
+        return torch.stack(per_layer, dim=1).to(device="cpu", dtype=torch.int64).numpy()
 
     def route(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Top-k expert ids ``[T, k]`` that decoder layer ``layer``'s own router picks for ``hidden``."""

@@ -29,7 +29,8 @@ class ContextRouting:
     it and 18-26 % with a random earlier one; such a match exists at ~90 % of the positions.  So a
     prompt-lookup proposal also says which experts its root and its copied tokens will need,
     which the draft's heads cannot say for a cycle that does not draft (a plain step, a lookup
-    chain).  Rows are ``[L, k]`` expert ids (-1: none), kept in one growing array.
+    chain).  Rows are ``[L, k]`` expert ids (-1: none), kept in one growing int16 array (a 48-layer
+    top-8 model: 768 bytes a position).
     """
 
     def __init__(self) -> None:
@@ -40,8 +41,8 @@ class ContextRouting:
         """A new context whose first positions (the prompt) routed as ``routing`` ``[T, L, k]``
         (``None``: unknown, and nothing is guessed in this call)."""
         self._rows, self.length = None, 0
-        if routing is not None and routing.ndim == 3 and routing.shape[0] > 0:
-            self._rows = np.array(routing, dtype=np.int64)
+        if routing is not None and routing.ndim == 3 and routing.shape[0] > 0 and routing.max() < 2 ** 15:
+            self._rows = np.array(routing, dtype=np.int16)
             self.length = routing.shape[0]
 
     @property
@@ -51,11 +52,11 @@ class ContextRouting:
     def append(self, routing: np.ndarray) -> None:
         """The next positions' routing ``[n, L, k]`` (a cycle's root and accepted nodes, in order)."""
         if self._rows is None or routing.shape[1:] != self._rows.shape[1:]:
-            self._rows = None  # another shape: stop guessing rather than misalign
+            self.stop()  # another shape: stop guessing rather than misalign
             return
         need = self.length + routing.shape[0]
         if need > self._rows.shape[0]:
-            grown = np.full((max(need, 2 * self._rows.shape[0]), *self._rows.shape[1:]), -1, dtype=np.int64)
+            grown = np.full((max(need, 2 * self._rows.shape[0]), *self._rows.shape[1:]), -1, dtype=np.int16)
             grown[: self.length] = self._rows[: self.length]
             self._rows = grown
         self._rows[self.length:need] = routing
