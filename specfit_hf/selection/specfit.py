@@ -63,6 +63,7 @@ from .search import CostModel, closed_part, save_instance, select_chain, select_
 __all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+_UNSET = object()  # a per-cycle figure not computed yet
 _SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 _MAX_CACHED = 64
 _CONTEXT_TRIALS = 2.0  # chain cycles (decayed) a lookup class needs before a lookup chain may replace a drafting kind
@@ -142,6 +143,7 @@ class SpecFitPolicy(SelectionPolicy):
         self._last: Selection | None = None
         self._root_guess: int | None = None  # the root's predicted misses this cycle was priced with
         self._context_guess: int | None = None  # this plain step's / lookup chain's misses as the repeat predicts
+        self._repeat: Any = _UNSET  # this cycle's lookup_misses, once asked
         self._root_position = 0  # context position of this cycle's root
         self._kind = "tree"  # the kind of cycle the gate chose for this cycle
         self._shadow: list[int] = []  # a probe's chain tokens not yet compared with committed ones
@@ -303,6 +305,7 @@ class SpecFitPolicy(SelectionPolicy):
         wide, unless the cycle's prompt-lookup chain (``proposal``) is predicted to pay more."""
         self._last = None
         self._root_guess = self._context_guess = None
+        self._repeat = _UNSET
         self._kind = self.gate.choose()
         self._proposal, self._context = proposal, lookup_context(proposal)
         if proposal is not None:
@@ -335,11 +338,17 @@ class SpecFitPolicy(SelectionPolicy):
         of the text it repeats says (:meth:`~.forecast.ExpertForecast.lookup_misses`), else the running mean
         (``figures``).  On CNN/DM (4090 twin, half cache, 8 prompts) that guess correlates 0.90 with a plain
         step's loads, where the mean knows nothing of the step: most of a step's spread is its loads."""
-        guess = self.forecast.lookup_misses(proposal)
+        guess = self._repeat_guess(proposal)
         if guess is None:
             return figures
         self._context_guess = int(guess[0][0])
         return figures[0], self.gate.plain_seconds(self.costs.context_loads(self._context_guess))
+
+    def _repeat_guess(self, proposal: LookupProposal | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`~.forecast.ExpertForecast.lookup_misses` of this cycle's proposal, computed at most once a cycle."""
+        if self._repeat is _UNSET:
+            self._repeat = self.forecast.lookup_misses(proposal)
+        return self._repeat
 
     def _chain_levels(self) -> int:
         """Levels this cycle's kind drafts before its selection (1 for the tree, which decides after every level).
@@ -419,7 +428,7 @@ class SpecFitPolicy(SelectionPolicy):
         # twin at half cache 0.932x, Mixtral 4090 twin at half and 75 % cache 0.962x and 0.981x, H100
         # twin 1.031x)
         root_seconds = gate.plain_figures()[1]
-        guess = self.forecast.lookup_misses(proposal)
+        guess = self._repeat_guess(proposal)
         if guess is not None:
             # each copied token priced by what the routing of the text it repeats says it adds: the
             # distinct experts its verify computes and the loads among them (the root stays at the
