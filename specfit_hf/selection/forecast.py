@@ -136,9 +136,15 @@ class ExpertForecast:
         if rows is None or not (rows[0] >= 0).any():
             return None
         resident = self.experts.resident()
-        misses = _ChainMisses(rows[0], resident).extend(rows[1:])
-        distinct = _ChainMisses(rows[0], np.zeros_like(resident)).extend(rows[1:])  # every expert counts
-        return misses, (distinct - distinct[0]) / max(int(distinct[0]), 1)
+        # each (layer, expert) id is paid by the first row naming it: one unique over all rows
+        ids = np.where(rows >= 0, rows + (np.arange(rows.shape[1]) * resident.shape[1])[None, :, None], -1)
+        ids = ids.reshape(rows.shape[0], -1)
+        valid = ids >= 0
+        new, first = np.unique(ids[valid], return_index=True)
+        row = np.nonzero(valid)[0][first]  # the row that brings each distinct id
+        distinct = np.cumsum(np.bincount(row, minlength=rows.shape[0]))
+        misses = np.cumsum(np.bincount(row, weights=~resident.reshape(-1)[new], minlength=rows.shape[0]))
+        return misses.astype(np.int64), (distinct - distinct[0]) / max(int(distinct[0]), 1)
 
     def snapshot(self, tree: DraftTree) -> np.ndarray | None:
         """``[L, E]`` the residents of ``tree``'s cycle, read now if this is its first question (no prediction)."""
