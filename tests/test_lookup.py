@@ -392,6 +392,12 @@ def test_specfits_context_routing_is_the_targets_routing_of_every_position():
             same = (np.sort(whole, axis=-1) == np.sort(remembered, axis=-1)).all(axis=(1, 2))
             matched, total = matched + int(same.sum()), total + same.size
             assert any(guess is not None for _, _, guess in seen)  # plain steps / lookup chains were guessed
+        seen.clear()  # without lookup proposals nothing reads the context: it is not kept
+        cfg = SpecFitConfig(max_new_tokens=8, do_sample=False, max_depth=3, tree_top_k=2,
+                            policy_kwargs={"share_drafting": False, "lookup_tokens": 0})
+        with simulated():
+            target.generate(ids, assistant_model=draft, generation_config=cfg)
+        assert seen and not seen[-1][0].forecast.context.active
     finally:
         SpecFitPolicy.observe = original
         runtime.detach()

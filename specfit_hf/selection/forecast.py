@@ -113,13 +113,12 @@ class ExpertForecast:
 
     def remember(self, root_position: int, verified: int, accepted_positions: list[int]) -> None:
         """After a verify of the root at ``root_position`` and ``verified`` nodes: the committed rows'
-        routing extends the context (the root's row, then the accepted nodes')."""
+        routing extends the context (the root's row, then the accepted nodes').  The routing read here
+        is also what :meth:`observe` teaches the predictor in the same cycle."""
         self._routing = None
-        if self.experts is None:
+        if self.experts is None or not self.context.active:
             return
         routing = self._routing = self.experts.last_routing(rows=1 + verified)
-        if not self.context.active:
-            return
         if routing is None or self.context.length != root_position:
             self.context.stop()  # positions no longer line up (e.g. a padded or chunked context)
             return

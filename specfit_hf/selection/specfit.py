@@ -175,7 +175,8 @@ class SpecFitPolicy(SelectionPolicy):
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance, key)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
-        self.forecast.start_context(ctx.prefix_len)  # the prefill's routing: where repeats will route
+        if self.lookup_tokens:  # the prefill's routing: where repeats will route (read by lookup proposals only)
+            self.forecast.start_context(ctx.prefix_len)
         self._shadow, self._shadow_depth = [], 0
 
     @property
