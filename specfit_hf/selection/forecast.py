@@ -138,9 +138,7 @@ class ExpertForecast:
         # each (layer, expert) id is paid by the first row naming it: one unique over all rows
         ids = np.where(rows >= 0, rows + (np.arange(rows.shape[1]) * resident.shape[1])[None, :, None], -1)
         ids = ids.reshape(rows.shape[0], -1)
-        valid = ids >= 0
-        new, first = np.unique(ids[valid], return_index=True)
-        row = np.nonzero(valid)[0][first]  # the row that brings each distinct id
+        new, row = _first_rows(ids, ids >= 0)
         distinct = np.cumsum(np.bincount(row, minlength=rows.shape[0]))
         misses = np.cumsum(np.bincount(row, weights=~resident.reshape(-1)[new], minlength=rows.shape[0]))
         return misses.astype(np.int64), (distinct - distinct[0]) / max(int(distinct[0]), 1)
@@ -291,6 +289,13 @@ def root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:
     return int(np.count_nonzero(~cached.reshape(-1)[ids]))
 
 
+def _first_rows(ids: np.ndarray, counted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids among ``ids[counted]`` (``[rows, m]``) and, for each, the first row naming it: a block's
+    forward computes (and loads) each expert once, and the earliest row pays for it."""
+    new, first = np.unique(ids[counted], return_index=True)
+    return new, np.nonzero(counted)[0][first]
+
+
 def _after_root(root: np.ndarray, cached: np.ndarray | None, num_experts: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(per-layer id offsets ``[L, 1]``, flat costly mask with the root's experts paid, the root's misses).
 
@@ -335,9 +340,8 @@ class _ChainMisses:
             # unique over the rows, not one per row; this runs in every fixed chain's cycle)
             rows = nodes[start:]
             ids = np.where(rows >= 0, rows + self.off[None], -1).reshape(rows.shape[0], -1)
-            costly = (ids >= 0) & self.costly[np.maximum(ids, 0)]
-            new, first = np.unique(ids[costly], return_index=True)
-            paid = np.bincount(np.nonzero(costly)[0][first], minlength=rows.shape[0])
+            new, row = _first_rows(ids, (ids >= 0) & self.costly[np.maximum(ids, 0)])
+            paid = np.bincount(row, minlength=rows.shape[0])
             self.costly[new] = False
             self.out.extend((self.out[-1] + np.cumsum(paid)).tolist())
         return np.array(self.out, dtype=np.int64)
