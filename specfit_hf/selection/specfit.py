@@ -404,9 +404,9 @@ class SpecFitPolicy(SelectionPolicy):
         short_chain = kind.startswith("chain:") and kind_depth(kind) <= _LOOKUP_REPLACES
         if kind != "plain" and kind != "tree" and not short_chain:
             return None
-        node_seconds = gate.node_seconds(len(proposal.tokens))
+        verify = state.verify.last_fit if state.verify is not None else None
         figures = gate.plain_figures() if kind == "plain" else gate.ranked_figures().get(kind)
-        if node_seconds is None or figures is None:
+        if verify is None or figures is None:  # no verification fit yet: copied tokens cannot be priced
             return None
         tokens, kind_seconds = figures
         if kind == "tree" and tokens > 1 + _LOOKUP_REPLACES:
@@ -435,9 +435,10 @@ class SpecFitPolicy(SelectionPolicy):
             # distinct experts its verify computes and the loads among them (the root stays at the
             # mean, as the hurdle's kinds price theirs)
             misses, added = guess
-            verify = state.verify.last_fit
             node_seconds = (verify.t_token + verify.t_novel * np.diff(added)
                             + state.t_expert * np.diff(self.costs.context_loads(misses)))
+        else:  # the chains' average for every copied token
+            node_seconds = gate.node_seconds(len(proposal.tokens))
         h, expected, seconds = best_lookup_prefix(q, root_seconds, node_seconds)
         if expected <= rate * seconds:  # E / T no higher than the best kind's rate here
             return None
