@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .clock import clock
+from .clock import clock, paused
 from .generation import EAGLE3_DEFAULTS, SpecFitConfig
 from .offload import EmulatedLink, get_runtime, offload_experts
 from .regimes import REGIMES, LinkRegime, emulated_link_params
@@ -396,6 +396,9 @@ def run_variant(
         torch.cuda.synchronize()
     before = runtime.stats.total.copy()
     torch.manual_seed(seed)
+    pauses = paused()
+    if pauses is not None:  # every policy's generation of a prompt meets the same busy host
+        pauses.reseed(f"{prompt_index}:{run}:{int(input_ids.sum())}")
     streamer = _TimingStreamer()
     t = clock()
     if variant.policy is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import pickle
 import statistics
 import sys
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="runs/bench", help="output folder for results.json, results.md and plots")
     _add_link_timing_arg(b, default="virtual")
     _add_twin_arg(b, many=True)
+    b.add_argument("--host-pauses", nargs=2, type=float, default=None, metavar=("PER_S", "MEAN_MS"),
+                   help="a busy host, reproducibly: emulated work is paused PER_S times a second on average, for "
+                   "MEAN_MS ms on average (seeded per prompt: every policy meets the same pauses); with "
+                   "--freeze-host-time the runs stay deterministic")
     b.add_argument("--freeze-host-time", action="store_true",
                    help="with --twin: real time stands still, so every duration is the twin's modeled forwards and "
                    "transfers and host Python costs nothing; runs are deterministic (the policies' decisions "
@@ -273,12 +278,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import expand_policies, merge_results, write_report
-    from .clock import simulated
+    from .clock import host_pauses, simulated
     from .data import load_prompts
 
     _check_twin(args.twin)
     if args.freeze_host_time and not args.twin:
         raise SystemExit("specfit: --freeze-host-time needs --twin (the emulated link times real CPU forwards)")
+    if args.host_pauses is not None and not all(math.isfinite(v) and v >= 0 for v in args.host_pauses):
+        raise SystemExit("specfit: --host-pauses takes a rate per second and a mean in ms, both >= 0")
     if args.warm_prompts < 0:
         raise SystemExit("specfit: --warm-prompts must be >= 0")
     if args.warm_prompts and args.first_call:
@@ -309,10 +316,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if tuned in args.policies and not tune:
                 raise SystemExit(f"specfit: {tuned} needs --tune-prompts > 0")
     frozen = simulated() if args.freeze_host_time else contextlib.nullcontext()
-    with frozen:
+    busy = contextlib.nullcontext() if args.host_pauses is None else host_pauses(
+        args.host_pauses[0], args.host_pauses[1] / 1e3)
+    with frozen, busy:
         parts = [_bench_part(args, target, draft, tok, prompts, tune, warm, twin) for twin in (args.twin or [None])]
     for part in parts:
         part["meta"]["host_time"] = "frozen" if args.freeze_host_time else "measured"
+        if args.host_pauses is not None:
+            part["meta"]["host_pauses"] = {"per_second": args.host_pauses[0], "mean_ms": args.host_pauses[1]}
     results = parts[0] if len(parts) == 1 else merge_results(parts)
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())

@@ -16,10 +16,12 @@ depends on another stage's internals to tell the time.
 from __future__ import annotations
 
 import contextlib
+import math
+import random
 import time
 from typing import Callable, Iterator
 
-__all__ = ["clock", "advance", "offset", "simulated"]
+__all__ = ["HostPauses", "advance", "clock", "host_pauses", "offset", "paused", "simulated"]
 
 # Seconds that emulation has added to (or, when negative, taken from) the source.
 _offset = 0.0
@@ -37,9 +39,14 @@ def clock() -> float:
 
 
 def advance(seconds: float) -> None:
-    """Move :func:`clock` by ``seconds`` (emulated time added, or real time replaced when negative)."""
+    """Move :func:`clock` by ``seconds`` (emulated time added, or real time replaced when negative).
+
+    Inside :func:`host_pauses` emulated work may also be paused (:class:`HostPauses`).
+    """
     global _offset
     _offset += float(seconds)
+    if _pauses is not None and seconds > 0:
+        _offset += _pauses.draw(float(seconds))
 
 
 def offset() -> float:
@@ -65,3 +72,54 @@ def simulated() -> Iterator[None]:
         yield
     finally:
         _source, _offset = previous, before + _offset
+
+
+class HostPauses:
+    """Seeded pauses of a busy host, added to the emulated clock: a loaded machine, reproducibly.
+
+    A host that runs other work takes the core away now and then, and the cycle that runs then
+    is that much longer.  Here every stretch of ``s`` emulated seconds is paused with probability
+    ``1 - exp(-rate * s)`` (pauses arrive at ``rate`` per second of work), for an exponentially
+    distributed time of mean ``mean`` seconds.  With host time frozen
+    (:func:`simulated`) a run is then deterministic and still meets a busy host's noise, so
+    policies can be compared under the same pauses: :meth:`reseed` before each generation makes
+    its pauses depend on a key (e.g. the prompt and the policy), not on what ran before.
+    """
+
+    def __init__(self, rate: float, mean: float, seed: int = 0) -> None:
+        if not (rate >= 0 and mean >= 0 and math.isfinite(rate) and math.isfinite(mean)):
+            raise ValueError(f"host pauses need a rate >= 0 per second and a mean >= 0 seconds, got {rate}, {mean}")
+        self.rate, self.mean, self.seed = float(rate), float(mean), int(seed)
+        self.total = 0.0  # seconds of pauses drawn so far
+        self._rng = random.Random(self.seed)
+
+    def reseed(self, key: str) -> None:
+        """Draw the next pauses from ``(seed, key)``: the same key meets the same pauses."""
+        self._rng.seed(f"{self.seed}:{key}")
+
+    def draw(self, seconds: float) -> float:
+        """The pause (seconds, often 0) that befalls ``seconds`` of emulated work."""
+        if self.rate <= 0 or self.mean <= 0 or self._rng.random() >= -math.expm1(-seconds * self.rate):
+            return 0.0
+        pause = self._rng.expovariate(1.0 / self.mean)
+        self.total += pause
+        return pause
+
+
+_pauses: HostPauses | None = None
+
+
+def paused() -> HostPauses | None:
+    """The :class:`HostPauses` in force (``None`` outside :func:`host_pauses`)."""
+    return _pauses
+
+
+@contextlib.contextmanager
+def host_pauses(rate: float, mean: float, seed: int = 0) -> Iterator[HostPauses]:
+    """Inside, emulated work meets a busy host's pauses (:class:`HostPauses`)."""
+    global _pauses
+    previous, _pauses = _pauses, HostPauses(rate, mean, seed)
+    try:
+        yield _pauses
+    finally:
+        _pauses = previous

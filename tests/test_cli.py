@@ -114,6 +114,57 @@ def test_bench_with_host_time_frozen_is_deterministic_and_needs_a_twin(tmp_path)
     assert set(rows[0]) == {"autoregressive", "specfit"} and all(v > 0 for v in rows[0].values())
 
 
+def test_host_pauses_are_seeded_per_key_and_slow_the_emulated_clock():
+    from specfit_hf.clock import HostPauses, advance, clock, host_pauses, paused, simulated
+
+    with pytest.raises(ValueError, match="rate"):
+        HostPauses(-1.0, 0.005)
+    pauses = HostPauses(rate=50.0, mean=0.004, seed=3)
+    pauses.reseed("prompt 0")
+    first = [pauses.draw(0.010) for _ in range(400)]
+    pauses.reseed("prompt 0")
+    assert [pauses.draw(0.010) for _ in range(400)] == first  # the same key meets the same pauses
+    hits = [p for p in first if p > 0]
+    # ~1 - exp(-0.5) of 10 ms stretches are paused, for 4 ms on average
+    assert 0.3 < len(hits) / len(first) < 0.5 and 0.003 < sum(hits) / len(hits) < 0.005
+    assert HostPauses(0.0, 0.004).draw(1.0) == 0.0
+    with simulated():
+        t0 = clock()
+        for _ in range(100):
+            advance(0.010)
+        assert clock() - t0 == pytest.approx(1.0)  # no pauses outside host_pauses
+        with host_pauses(50.0, 0.004, seed=3) as busy:
+            assert paused() is busy
+            t1 = clock()
+            for _ in range(100):
+                advance(0.010)
+            advance(-0.5)  # time a model replaces is never paused
+            assert clock() - t1 == pytest.approx(0.5 + busy.total) and busy.total > 0.05
+        assert paused() is None
+
+
+def test_bench_with_host_pauses_is_slower_and_still_deterministic(tmp_path):
+    from specfit_hf.cli import main
+
+    with pytest.raises(SystemExit, match="host-pauses"):
+        main(["bench", "--host-pauses", "30", "-1"])
+    _need_embedded_pair()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:",
+                                   "category": "math"}) + "\n")
+    rows = []
+    for i, pauses in enumerate([[], ["--host-pauses", "200", "5"], ["--host-pauses", "200", "5"]]):
+        out = tmp_path / f"run{i}"
+        assert main(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4", "--freeze-host-time", "--prompts", str(prompts),
+                     "--num-prompts", "1", "--tune-prompts", "0", "--cache-fractions", "0.5", "--policies",
+                     "autoregressive", "static:d2k1n2", "--max-new-tokens", "12", "--out", str(out), *pauses]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["meta"].get("host_pauses") == ({"per_second": 200.0, "mean_ms": 5.0} if pauses else None)
+        rows.append({r["policy"]: r["decode_tokens_per_s"] for r in results["runs"]})
+    assert rows[1] == rows[2]  # seeded: the same pauses again
+    assert all(rows[1][k] < rows[0][k] for k in rows[0])  # a busy host is slower for every policy
+
+
 def test_generate_saves_and_reuses_measurements(tmp_path, capsys):
     """``--measurements FILE``: the first run writes what SpecFit measured, the next starts from it."""
     import pickle
