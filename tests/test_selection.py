@@ -837,35 +837,6 @@ def test_chain_probe_verifies_its_chain_and_measures_the_depths_below_it():
     assert grown[1, 1:].sum() == pytest.approx(0.0) and not policy._shadow
 
 
-def test_gate_caps_a_pause_in_a_chain_cycle_and_follows_a_lasting_slowdown():
-    from specfit_hf.selection.gate import _KIND_EMA, _OWN_CYCLES, _SPIKE, DraftingGate, DraftingMeasurements
-
-    def mean_seconds(gate, kind):
-        v = gate.state.sums[kind]
-        return float(v[1] / v[2])
-
-    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:1", "chain:2", "tree"], 8, 64)
-    gate.observe("chain:2", 3, 0.020, nodes=2, accepted=2)
-    gate.observe("chain:2", 3, 0.060, nodes=2, accepted=2)  # too few cycles to know the kind: counted in full
-    assert mean_seconds(gate, "chain:2") == pytest.approx((0.020 * (1 - _KIND_EMA) + 0.060) / (2 - _KIND_EMA))
-    for _ in range(40):
-        gate.observe("chain:2", 3, 0.020, nodes=2, accepted=2)
-    steady = mean_seconds(gate, "chain:2")
-    assert steady == pytest.approx(0.020, rel=1e-3)
-    gate.observe("chain:2", 3, 0.200, nodes=2, accepted=2)  # the host paused the cycle for 180 ms
-    capped = mean_seconds(gate, "chain:2")
-    assert capped == pytest.approx(steady * (1 + _KIND_EMA * (_SPIKE - 1)), rel=1e-3)  # not 0.020 -> 0.047
-    # a lasting slowdown (every cycle 50 % dearer) is followed, a few percent a cycle
-    for _ in range(60):
-        gate.observe("chain:2", 3, 0.030, nodes=2, accepted=2)
-    assert mean_seconds(gate, "chain:2") == pytest.approx(0.030, rel=1e-2)
-    # the tree's cycles differ in what they verify: none is capped
-    for _ in range(_OWN_CYCLES + 2):
-        gate.observe("tree", 3, 0.020, nodes=2)
-    gate.observe("tree", 3, 0.200, nodes=2)
-    assert mean_seconds(gate, "tree") > 0.030
-
-
 def test_gate_probes_deeper_depths_instead_of_verifying_a_deeper_chain():
     from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements, probe_kind
 

@@ -67,13 +67,6 @@ Explorations come every ``interval`` cycles (doubling while the best holds, up t
 :data:`_EXPLORE_BUDGET` of the cycles since the last one.  A kind within 5% of the running
 one does not replace it.
 
-**A busy host.**  Other work on the host pauses whatever cycle runs; a pause of a few ms is a third
-of a fast cycle, and with about seven cycles of memory one pause priced the running kind below the
-next best for a while.  A chain's or a plain step's cycle does the same work every time (its
-transfers aside), so once a kind has run :data:`_OWN_CYCLES` times a cycle counts at most
-:data:`_SPIKE` times its kind's mean; a lasting slowdown still raises the mean, a few percent a
-cycle.  (The tree's and lookup chains' cycles differ in what they verify and are not capped.)
-
 These measurements belong to the host, link, cache and draft:
 :func:`drafting_measurements` shares them between ``generate`` calls on the same
 offload runtime with the same draft and policy settings.
@@ -249,7 +242,6 @@ _MAX_CHAIN = 16  # longest fixed chain a gate may rank (bounds SpecFitOptions.ma
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
-_SPIKE = 1.25  # a chain's or plain step's cycle counts at most this many times its kind's running mean
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
 _OWN_CYCLES = 4  # cycles after which a chain is priced by its own cycles rather than by the fits
 _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
@@ -764,14 +756,6 @@ class DraftingGate:
                     if state.call_cycle <= _START_CYCLES:
                         state.start_loads = float(root) if state.start_loads is None else (
                             (1 - _START_EMA) * state.start_loads + _START_EMA * root)
-        previous = state.sums.get(kind)
-        if previous is not None and kind not in _OWN_NODE_KINDS and state.counts.get(kind, 0) >= _OWN_CYCLES:
-            # A busy host pauses whatever cycle runs when other work takes the core: a pause of a few
-            # ms is a third of a fast cycle, and with ~7 cycles of memory one pause priced the running
-            # kind below the next best for a while.  A chain's or a plain step's cycle does the same work
-            # every time (its transfers are taken out above), so a cycle far above its kind's mean is
-            # counted at the cap; a lasting slowdown still raises the mean, a few percent a cycle.
-            seconds = min(seconds, _SPIKE * float(previous[1] / previous[2]))
         # the tree's cycles keep the reference chain's tokens at the acceptance they were chosen under
         chain_tokens = self.chain_tokens() if kind == "tree" else None
         reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
