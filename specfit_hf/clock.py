@@ -78,8 +78,8 @@ class HostPauses:
     """Seeded pauses of a busy host, added to the emulated clock: a loaded machine, reproducibly.
 
     A host that runs other work takes the core away now and then, and the cycle that runs then
-    is that much longer.  Here every stretch of ``s`` emulated seconds is paused with probability
-    ``1 - exp(-rate * s)`` (pauses arrive at ``rate`` per second of work), for an exponentially
+    is that much longer.  Here pauses arrive at ``rate`` per second of emulated work (a Poisson
+    process: how the work is split into calls does not matter), each for an exponentially
     distributed time of mean ``mean`` seconds.  With host time frozen
     (:func:`simulated`) a run is then deterministic and still meets a busy host's noise, so
     policies can be compared under the same pauses: :meth:`reseed` before each generation makes
@@ -98,10 +98,14 @@ class HostPauses:
         self._rng.seed(f"{self.seed}:{key}")
 
     def draw(self, seconds: float) -> float:
-        """The pause (seconds, often 0) that befalls ``seconds`` of emulated work."""
-        if self.rate <= 0 or self.mean <= 0 or self._rng.random() >= -math.expm1(-seconds * self.rate):
+        """The pauses (seconds, often 0) that befall ``seconds`` of emulated work: a Poisson number of them
+        (``rate * seconds`` on average, however the work is split into calls), each exponential."""
+        if self.rate <= 0 or self.mean <= 0:
             return 0.0
-        pause = self._rng.expovariate(1.0 / self.mean)
+        pause, at = 0.0, self._rng.expovariate(self.rate)
+        while at < seconds:
+            pause += self._rng.expovariate(1.0 / self.mean)
+            at += self._rng.expovariate(self.rate)
         self.total += pause
         return pause
 

@@ -124,9 +124,11 @@ def test_host_pauses_are_seeded_per_key_and_slow_the_emulated_clock():
     first = [pauses.draw(0.010) for _ in range(400)]
     pauses.reseed("prompt 0")
     assert [pauses.draw(0.010) for _ in range(400)] == first  # the same key meets the same pauses
-    hits = [p for p in first if p > 0]
-    # ~1 - exp(-0.5) of 10 ms stretches are paused, for 4 ms on average
-    assert 0.3 < len(hits) / len(first) < 0.5 and 0.003 < sum(hits) / len(hits) < 0.005
+    # 0.5 pauses per 10 ms stretch on average, 4 ms each: 2 ms a stretch
+    assert 0.0015 < sum(first) / len(first) < 0.0025 and 0.3 < sum(p > 0 for p in first) / len(first) < 0.5
+    # a Poisson process: one call of 4 s meets what 400 calls of 10 ms meet, 200 pauses of 4 ms on average
+    pauses.reseed("one call")
+    assert 180 < sum(pauses.draw(4.0) for _ in range(20)) / 20 / 0.004 < 220
     assert HostPauses(0.0, 0.004).draw(1.0) == 0.0
     with simulated():
         t0 = clock()
