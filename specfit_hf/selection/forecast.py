@@ -66,6 +66,14 @@ class ContextRouting:
         """Stop guessing for the rest of the call (the positions no longer line up with the context)."""
         self._rows, self.length = None, 0
 
+    def known(self, start: int, count: int) -> np.ndarray | None:
+        """``[count, L, k]`` routing of positions ``start .. start + count - 1`` when every one is known and
+        names an expert in every slot (a view; ``None`` otherwise: see :meth:`at`)."""
+        if self._rows is None or start < 0 or start + count > self.length:
+            return None
+        rows = self._rows[start:start + count]
+        return rows if rows.min() >= 0 else None
+
     def at(self, start: int, count: int) -> np.ndarray | None:
         """``[count, L, k]`` routing of positions ``start .. start + count - 1`` (-1 rows where unknown)."""
         if self._rows is None or start < 0:
@@ -131,14 +139,23 @@ class ExpertForecast:
         a plain step).  ``None`` without a guess."""
         if proposal is None or proposal.source is None or not self.context.active or self.experts is None:
             return None
-        rows = self.context.at(proposal.source - 1, 1 + len(proposal.tokens))
-        if rows is None or not (rows[0] >= 0).any():
-            return None
+        start, count = proposal.source - 1, 1 + len(proposal.tokens)
+        rows = self.context.known(start, count)  # the usual case: every row known and valid
+        padded = rows is None
+        if padded:
+            rows = self.context.at(start, count)
+            if rows is None or not (rows[0] >= 0).any():
+                return None
         resident = self.experts.resident()
         # each (layer, expert) id is paid by the first row naming it: one unique over all rows
-        ids = np.where(rows >= 0, rows + (np.arange(rows.shape[1]) * resident.shape[1])[None, :, None], -1)
-        ids = ids.reshape(rows.shape[0], -1)
-        new, row = _first_rows(ids, ids >= 0)
+        offsets = (np.arange(rows.shape[1]) * resident.shape[1])[None, :, None]
+        if padded:
+            ids = np.where(rows >= 0, rows + offsets, -1).reshape(count, -1)
+            new, row = _first_rows(ids, ids >= 0)
+        else:
+            ids = (rows + offsets).reshape(count, -1)
+            new, first = np.unique(ids, return_index=True)
+            row = first // ids.shape[1]
         distinct = np.cumsum(np.bincount(row, minlength=rows.shape[0]))
         misses = np.cumsum(np.bincount(row, weights=~resident.reshape(-1)[new], minlength=rows.shape[0]))
         return misses.astype(np.int64), (distinct - distinct[0]) / max(int(distinct[0]), 1)
