@@ -83,7 +83,8 @@ class HostPauses:
     distributed time of mean ``mean`` seconds.  With host time frozen
     (:func:`simulated`) a run is then deterministic and still meets a busy host's noise, so
     policies can be compared under the same pauses: :meth:`reseed` before each generation makes
-    its pauses depend on a key (e.g. the prompt and the policy), not on what ran before.
+    its pauses depend on a key, not on what ran before (``specfit bench`` keys them by the prompt,
+    so every policy's generation of a prompt starts from the same pauses).
     """
 
     def __init__(self, rate: float, mean: float, seed: int = 0) -> None:
