@@ -471,13 +471,13 @@ class DraftingGate:
         loaded, forecast = self.state.own_node_sums.get(kind, (0.0, 0.0))
         return (loaded + _OWN_NODE_PRIOR) / (forecast + _OWN_NODE_PRIOR)
 
-    def node_seconds(self, depth: int, kind: str = LOOKUP, transfers: bool = True) -> np.ndarray | None:
+    def node_seconds(self, depth: int, kind: str = LOOKUP) -> np.ndarray | None:
         """Seconds each of ``depth`` more verified tokens of ``kind`` in a chain costs now: its compute and
-        (``transfers``) the loads of the experts it adds (``None`` before the verification fit exists)."""
+        the loads of the experts it adds (``None`` before the verification fit exists)."""
         verify = self.state.verify.last_fit if self.state.verify is not None else None
         if verify is None:
             return None
-        loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind) if transfers else 0.0
+        loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
         per_new = verify.t_novel + self.state.t_expert * loads
         added = np.diff(_novel(self.novelty(), np.arange(depth + 1)))
         return verify.t_token + per_new * added
