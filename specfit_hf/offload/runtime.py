@@ -323,6 +323,10 @@ class OffloadRuntime:
         """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
         return self._layer(layer_idx).last_routing
 
+    def last_routings(self) -> list[Optional[torch.Tensor]]:
+        """:meth:`last_routing` of every MoE layer, in ``moe_layers`` order (read once per cycle)."""
+        return [layer.last_routing for layer in self._layers.values()]
+
     def view(self) -> ExpertCacheView:
         """The read-only view for planners (the selection stage): residency, routing, routers.
 

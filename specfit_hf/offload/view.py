@@ -53,16 +53,16 @@ class ExpertCacheView:
         ``None`` before any forward, or when ``rows`` is given and the last forward had
         another number of rows (then it is not the forward the caller means).
         """
-        per_layer = []
-        for layer in self.moe_layers:
-            routed = self._runtime.last_routing(layer)
-            if routed is None or (rows is not None and routed.shape[0] != rows):
-                return None
-            per_layer.append(routed.detach().reshape(routed.shape[0], -1))
-        if len({t.shape for t in per_layer}) > 1:  # layers of another row count: not one forward's
+        per_layer = self._runtime.last_routings()
+        if not per_layer or any(t is None for t in per_layer):
             return None
+        shape = per_layer[0].shape
+        if (rows is not None and shape[0] != rows) or any(t.shape != shape for t in per_layer):
+            return None  # another forward's rows, or layers of another row count: not one forward's
+        if len(shape) != 2:
+            per_layer = [t.reshape(t.shape[0], -1) for t in per_layer]
         # one stack and one copy to the host (a copy per layer is a device sync each, every cycle)
-        return torch.stack(per_layer, dim=1).to(device="cpu", dtype=torch.int64).numpy()
+        return torch.stack(per_layer, dim=1).detach().to(device="cpu", dtype=torch.int64).numpy()
 
     def route(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Top-k expert ids ``[T, k]`` that decoder layer ``layer``'s own router picks for ``hidden``."""

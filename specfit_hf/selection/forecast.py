@@ -321,10 +321,9 @@ def _after_root(root: np.ndarray, cached: np.ndarray | None, num_experts: int) -
     """
     off = (np.arange(root.shape[0]) * num_experts)[:, None]
     costly = np.ones(root.shape[0] * num_experts, dtype=bool) if cached is None else ~cached.reshape(-1)
-    root_ids = np.unique((root + off)[root >= 0])
-    missing = int(costly[root_ids].sum())
-    costly[root_ids] = False
-    return off, costly, missing
+    before = np.count_nonzero(costly)
+    costly[(root + off)[root >= 0]] = False  # the root's distinct costly experts are the ones this clears
+    return off, costly, int(before - np.count_nonzero(costly))
 
 
 class MissingCounter:

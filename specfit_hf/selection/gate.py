@@ -766,8 +766,13 @@ class DraftingGate:
         state.depth_context *= 1 - _CONTEXT_DECAY
         if kind not in ("tree", LOOKUP) and accepted is not None and nodes:  # a chain, or a probe's verified chain
             # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
-            for d in range(1, min(accepted + 1, nodes, _MAX_CHAIN) + 1):
-                self.record_depth(d, d <= accepted, context)
+            tried = min(accepted + 1, nodes, _MAX_CHAIN)
+            sums = [state.depth_fast, state.depth_slow]
+            if context is not None:
+                sums.append(state.depth_context[context])
+            for s in sums:  # every depth's outcome at once (record_depth one at a time)
+                s[0, :min(accepted, tried)] += 1.0
+                s[1, :tried] += 1.0
         state.counts[kind] = state.counts.get(kind, 0) + 1
         state.version += 1
         state.last_run[kind] = state.cycle
