@@ -1261,23 +1261,47 @@ def test_carried_measurements_example_runs(example_module, capsys):
         module.main(["--twin", "none", "--freeze-host-time"])
 
 
-def test_without_the_gate_the_trees_verified_paths_teach_each_depths_novelty():
-    """With ``adaptive_drafting=False`` no chain runs: a tree cycle that verified a path is what teaches
-    the novelty of each depth (else every node stays priced as all new); with the gate, chains do."""
+def test_tree_cycles_that_count_as_chains_teach_each_depths_novelty():
+    """``path``: a tree cycle that counts as a chain's.  Without the gate no chain runs and any verified path
+    does; with the gate the policy passes only the draft's top-1 path (exactly a chain's nodes), which then also
+    teaches the depths' acceptance.  Other tree cycles teach neither."""
     from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
 
     shares = [0.6, 0.3, 0.2]
 
-    def novelty_after(enabled: bool, path: bool) -> np.ndarray:
+    def gate_after(enabled: bool, path: bool) -> DraftingGate:
         gate = DraftingGate(DraftingMeasurements(interval=8), enabled, ["plain", "chain:1", "tree"], 8, 64)
         for _ in range(30):
-            gate.observe("tree", 4, 0.03, loads=2, root_loads=1, t_expert=0.006, nodes=3, accepted=3,
+            gate.observe("tree", 4, 0.03, loads=2, root_loads=1, t_expert=0.006, nodes=3, accepted=2,
                          novelty=list(shares), path=path)
-        return gate.novelty()
+        return gate
 
     prior = np.arange(17, dtype=float)  # before data: every depth brings a root's worth
-    np.testing.assert_allclose(novelty_after(True, True), prior)  # the gate's chains teach it, not the tree
-    np.testing.assert_allclose(novelty_after(False, False), prior)  # a tree that is not a path: no depths
-    learnt = novelty_after(False, True)
-    np.testing.assert_allclose(np.diff(learnt)[:3], shares, atol=0.03)  # the path's depths, as a chain's
-    assert learnt[7] < 3  # deeper depths follow the deepest one measured, not the all-new prior
+    for enabled in (True, False):
+        np.testing.assert_allclose(gate_after(enabled, False).novelty(), prior)  # not a chain's nodes: no depths
+        learnt = gate_after(enabled, True).novelty()
+        np.testing.assert_allclose(np.diff(learnt)[:3], shares, atol=0.03)  # the path's depths, as a chain's
+        assert learnt[7] < 3  # deeper depths follow the deepest one measured, not the all-new prior
+    acceptance = gate_after(True, True).depth_acceptance()  # with the gate: a chain's outcomes too
+    assert acceptance is not None and acceptance[0] > 0.9 and acceptance[2] < 0.1  # 2 of 3 accepted each time
+    assert gate_after(False, True).depth_acceptance() is None  # without it: no chain kind to rank
+    assert gate_after(True, False).depth_acceptance() is None
+
+
+def test_only_the_drafts_top1_path_counts_as_a_chain():
+    """A tree cycle is a chain's when it verified exactly the path of each node's most likely child."""
+    from specfit_hf.selection.specfit import _is_top_path
+    from specfit_hf.tree import DraftTree, Selection
+
+    tree = DraftTree(root_token=1)
+    tree.add_level(torch.tensor([10, 11]), torch.tensor([-1, -1]), torch.tensor([0.7, 0.2]))  # nodes 0, 1
+    tree.add_level(torch.tensor([12, 13, 14]), torch.tensor([0, 0, 1]), torch.tensor([0.3, 0.6, 0.9]))  # 2, 3, 4
+
+    def top(nodes):
+        return _is_top_path(tree, Selection(nodes=torch.tensor(nodes, dtype=torch.long)))
+
+    assert top([0]) and top([0, 3])
+    assert not top([0, 2])  # node 2 is not node 0's most likely child
+    assert not top([1, 4])  # node 1 is not the root's most likely child
+    assert not top([0, 1])  # two nodes at one depth: not a path
+    assert not top([])

@@ -708,15 +708,18 @@ class DraftingGate:
         cycle's acceptance feeds :meth:`depth_acceptance`, and :meth:`chain_tokens_in` its
         lookup ``context``); ``novelty``: per verified node, the new experts it was the first
         of the block to compute, in roots' worth (``None``: unknown, every node counts as new);
-        ``path``: the verified nodes are one path from the root.  Without the gate (``enabled``
-        false) no chain runs, and a tree cycle that verified a path teaches the depths' novelty
-        instead (else every node of the tree stays priced as all new: 4090 twin, GSM8K, half
-        cache, a 7-node path forecast at 61 ms against 38 ms measured).  With the gate, chains
-        teach it: the tree's paths are nodes chosen for their resident experts, not a chain's.
+        ``path``: a tree cycle that counts as a chain's.  Without the gate (``enabled`` false) no
+        chain runs, and a tree cycle that verified a path teaches the depths' novelty instead
+        (else every node of the tree stays priced as all new: 4090 twin, GSM8K, half cache, a
+        7-node path forecast at 61 ms against 38 ms measured).  With the gate the caller passes it
+        only for the draft's top-1 path, which is exactly a chain's nodes: it teaches novelty, the
+        node loads and the depths' acceptance like a chain cycle (any other tree path is nodes
+        chosen for their resident experts, not a chain's).
         Without ``loads`` the cycle counts with its transfers in its seconds.
         """
         state = self.state
-        chain_like = kind not in _OWN_NODE_KINDS or (kind == "tree" and path and not self.enabled)
+        chain_like = kind not in _OWN_NODE_KINDS or (kind == "tree" and path)
+        as_chain = chain_like and (kind not in _OWN_NODE_KINDS or self.enabled)  # loads and depths too
         if novelty is not None and nodes and chain_like:  # a chain's depths (a probe's verified)
             depths = min(len(novelty), _MAX_CHAIN)
             state.novelty *= _NODE_DECAY
@@ -729,7 +732,7 @@ class DraftingGate:
             state.call_cycle += 1
             if not nodes or root_loads is not None:  # the root's own loads are known
                 root = loads if not nodes else min(root_loads, loads)
-                if nodes and kind in _OWN_NODE_KINDS:
+                if nodes and not as_chain:
                     # the tree verifies the nodes whose experts are cached, and a lookup chain repeats
                     # text whose experts were used lately: their nodes load less than a drafted chain's;
                     # what they loaded against what the chains' fit says a node loads
@@ -764,7 +767,7 @@ class DraftingGate:
         state.depth_fast *= 1 - _DEPTH_FAST
         state.depth_slow *= 1 - _DEPTH_SLOW
         state.depth_context *= 1 - _CONTEXT_DECAY
-        if kind not in ("tree", LOOKUP) and accepted is not None and nodes:  # a chain, or a probe's verified chain
+        if as_chain and accepted is not None and nodes:  # a chain, a probe's verified chain, a tree's top-1 path
             # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
             tried = min(accepted + 1, nodes, _MAX_CHAIN)
             sums = [state.depth_fast, state.depth_slow]
