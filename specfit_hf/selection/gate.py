@@ -639,13 +639,18 @@ class DraftingGate:
         """One outcome of a chain's ``depth``-th token whose predecessors were accepted (verified or probed);
         ``context``: the lookup context of the cycle the chain started in (:func:`~.lookup.lookup_context`)."""
         if 1 <= depth <= _MAX_CHAIN:
-            sums = [self.state.depth_fast, self.state.depth_slow]
-            if context is not None:
-                sums.append(self.state.depth_context[context])
-            for s in sums:
-                s[0, depth - 1] += float(accepted)
-                s[1, depth - 1] += 1.0
-            self.state.version += 1
+            self._record_depths(depth - 1, depth, depth if accepted else depth - 1, context)
+
+    def _record_depths(self, first: int, tried: int, accepted: int, context: int | None) -> None:
+        """Outcomes of chain depths ``first + 1 .. tried`` (0-based slots ``first:tried``): the ones up to
+        ``accepted`` were accepted.  One slice per count (a cycle's depths at once, not one call each)."""
+        sums = [self.state.depth_fast, self.state.depth_slow]
+        if context is not None:
+            sums.append(self.state.depth_context[context])
+        for s in sums:
+            s[0, first:accepted] += 1.0
+            s[1, first:tried] += 1.0
+        self.state.version += 1
 
     def context_trials(self, context: int) -> float:
         """Decayed count of chain cycles whose first token was tried in lookup context ``context``."""
@@ -770,12 +775,7 @@ class DraftingGate:
         if as_chain and accepted is not None and nodes:  # a chain, a probe's verified chain, a tree's top-1 path
             # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
             tried = min(accepted + 1, nodes, _MAX_CHAIN)
-            sums = [state.depth_fast, state.depth_slow]
-            if context is not None:
-                sums.append(state.depth_context[context])
-            for s in sums:  # every depth's outcome at once (record_depth one at a time)
-                s[0, :min(accepted, tried)] += 1.0
-                s[1, :tried] += 1.0
+            self._record_depths(0, tried, min(accepted, tried), context)
         state.counts[kind] = state.counts.get(kind, 0) + 1
         state.version += 1
         state.last_run[kind] = state.cycle
