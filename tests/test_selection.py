@@ -640,7 +640,7 @@ def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_m
         policy.forecast = ExpertForecast(fixed, fixed)
         for _ in range(6):  # the gate has figures for the chain: they are blind to this cycle's routing
             policy.gate.observe("plain", 1, 0.02)
-            policy.gate.observe("chain:3", 3, 0.03, nodes=3, accepted=2)
+            policy.gate.observe("chain:3", 4, 0.03, nodes=3, accepted=3)
         policy.gate.state.cycle = 1  # not a cycle the tree's models sample
         assert "chain:3" in policy.gate.ranked_figures() and not policy._sampled()
         policy.gate.choose = lambda: "chain:3"
@@ -654,6 +654,58 @@ def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_m
     # the cold chain's 3 nodes each bring one expert the cache lacks
     _, b = policy.costs.node_loads
     assert times["cold"] - times["warm"] == pytest.approx(0.002 * b * 3)
+
+
+def test_a_drafted_chain_verifies_only_the_prefix_its_forecast_says_pays():
+    """A fixed chain is chosen on average figures; once drafted, a node predicted to need an expert
+    the cache lacks (and every node after it) is verified only if its tokens are worth that load."""
+    from specfit_hf.selection.forecast import ExpertForecast
+
+    chosen = {}
+    for label, resident in (("warm", [True] * 16), ("third node cold", [True] * 3 + [False] + [True] * 12)):
+        config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.05))
+        policy = get_policy("specfit", config)
+        policy.reset(ctx)
+        policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.05))
+        policy.gate.state.verify = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
+        fixed = _FixedExperts(resident)
+        policy.forecast = ExpertForecast(fixed, fixed)
+        for _ in range(6):  # measured: the chain's own cycles, every depth accepted
+            policy.gate.observe("plain", 1, 0.02)
+            policy.gate.observe("chain:3", 4, 0.03, nodes=3, accepted=3)
+        policy.gate.state.cycle = 1  # not a cycle the tree's models sample
+        policy.gate.choose = lambda: "chain:3"
+        policy.select(DraftTree(root_token=5), ctx)
+        tree = DraftTree(root_token=5)
+        for level in range(3):
+            tree.add_level(torch.tensor([10 + level]), torch.tensor([level - 1]), torch.tensor([0.5]))
+            sel = policy.select(tree, ctx)
+        assert sel.stop
+        chosen[label] = (sel.nodes.tolist(), sel.expected_tokens, sel.predicted_time)
+        tokens = policy.gate.chain_tokens()
+        if label == "warm":
+            assert sel.expected_tokens == pytest.approx(policy.gate.ranked_figures()["chain:3"][0])
+        else:  # the third node's tokens, scaled like the chain's, are not worth a 50 ms load
+            scale = policy.gate.ranked_figures()["chain:3"][0] / tokens[3]
+            assert sel.expected_tokens == pytest.approx(tokens[2] * scale)
+    assert chosen["warm"][0] == [0, 1, 2]
+    assert chosen["third node cold"][0] == [0, 1]
+    assert chosen["third node cold"][2] < chosen["warm"][2] + 0.05  # the load is not paid
+
+
+def test_a_chain_verifying_fewer_nodes_than_it_drafts_is_ranked_at_the_tokens_of_what_it_verifies():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, ["plain", "chain:4", "tree"], 8, 64)
+    gate.observe("plain", 1, 0.010)
+    for nodes in (4, 2) * 5:  # drafted 4 levels, verified 4 or 2 of them: 3 on average
+        gate.observe("chain:4", 3, 0.02, nodes=nodes, accepted=nodes)
+    tokens = gate.chain_tokens()
+    mean_nodes = gate.state.sums["chain:4"][3] / gate.state.sums["chain:4"][2]
+    assert 2.0 < mean_nodes < 4.0
+    expected = np.interp(mean_nodes, np.arange(len(tokens)), tokens)
+    assert gate.cycle_figures()["chain:4"][0] == pytest.approx(expected)
+    assert tokens[2] < expected < tokens[4]
 
 
 def test_drafting_measurements_are_shared_per_runtime_and_draft():

@@ -263,7 +263,7 @@ _CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added 
 _NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings as many new experts as depth d - 1 (the root: all)
 
 
-def _novel(novelty: np.ndarray, nodes: float | np.ndarray) -> float | np.ndarray:
+def novel_at(novelty: np.ndarray, nodes: float | np.ndarray) -> float | np.ndarray:
     """:func:`chain_novelty` at ``nodes`` (a count or an array of them; interpolated, and past the deepest
     depth each more node adds what that depth did)."""
     last = novelty.size - 1
@@ -397,12 +397,12 @@ class DraftingGate:
         out = {}
         for kind, v in sums.items():
             tokens, seconds, cycles, nodes, reference = v.tolist()
-            new = cycles * _novel(novelty, nodes / cycles)  # new experts of the kind's nodes, at today's novelty
+            new = cycles * novel_at(novelty, nodes / cycles)  # new experts of the kind's nodes, at today's novelty
             transfers = t_expert * (m * cycles + per_new * new * (tree_factor if kind == "tree" else 1.0))
             if ct is not None and kind.startswith("chain:"):
                 # the same acceptance for every chain: each kind's own cycles ran in other
                 # stretches of the text, whose acceptance differs far more than the kinds do
-                tokens = ct[kind_depth(kind)] * cycles
+                tokens = self._chain_tokens_at(ct, kind_depth(kind), nodes / cycles) * cycles
             elif ct is not None and kind == "tree" and reference > 0:
                 # the tree's tokens relative to the reference chain's when its cycles ran, at today's
                 # acceptance where that is lower (never higher: the tree is a costly bet to make on a guess)
@@ -434,7 +434,7 @@ class DraftingGate:
                         # rate (the fits are linear in levels, and on a CPU host a deep chain's draft and
                         # verify cost more than that: mixtral-pcie4, GSM8K, a 10-level chain forecast at
                         # 71 ms ran at 83 ms, and the gate chose it over the faster 7-level one)
-                        out[kind] = (ct[h], out[kind][1])
+                        out[kind] = (self._chain_tokens_at(ct, h, sums[kind][3] / sums[kind][2]), out[kind][1])
                         continue
                     # deeper tokens share more of the experts before them: each depth pays for what it adds
                     out[kind] = (ct[h], root + h * per_level + float(novelty[h]) * per_novel)
@@ -454,6 +454,13 @@ class DraftingGate:
                         out[probe] = (tokens, seconds + extra)
         self._figures = (state.version, out)
         return out
+
+    @staticmethod
+    def _chain_tokens_at(ct: list[float], depth: int, nodes: float) -> float:
+        """Expected tokens of a ``depth``-level chain whose cycles verified ``nodes`` nodes on average
+        (a drafted chain verifies the prefix its forecast says pays: :meth:`SpecFitPolicy._best_prefix`)."""
+        x = min(max(float(nodes), 0.0), float(depth))
+        return float(np.interp(x, np.arange(len(ct)), ct))
 
     def _node_extra_loads(self, m: float) -> float:
         """Loads per root's worth of new experts in a chain's nodes at root-loads mean ``m`` (the fit ``a + b m``)."""
@@ -479,7 +486,7 @@ class DraftingGate:
             return None
         loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)
         per_new = verify.t_novel + self.state.t_expert * loads
-        added = np.diff(_novel(self.novelty(), np.arange(depth + 1)))
+        added = np.diff(novel_at(self.novelty(), np.arange(depth + 1)))
         return verify.t_token + per_new * added
 
     def ranked_figures(self) -> dict[str, tuple[float, float]]:
@@ -742,7 +749,7 @@ class DraftingGate:
                     # text whose experts were used lately: their nodes load less than a drafted chain's;
                     # what they loaded against what the chains' fit says a node loads
                     loaded, forecast = state.own_node_sums.get(kind, (0.0, 0.0))
-                    expected = _novel(self.novelty(), nodes) * self._node_extra_loads(state.root_loads or 0.0)
+                    expected = novel_at(self.novelty(), nodes) * self._node_extra_loads(state.root_loads or 0.0)
                     state.own_node_sums[kind] = (_NODE_DECAY * loaded + float(loads - root),
                                                  _NODE_DECAY * forecast + expected)
                 elif nodes:

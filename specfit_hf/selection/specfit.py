@@ -52,6 +52,7 @@ from .gate import (
     drafting_measurements,
     forget_drafting,
     kind_depth,
+    novel_at,
     shared_drafting,
 )
 from .lookahead import LookAhead, useful_children
@@ -67,7 +68,8 @@ _UNSET = object()  # a per-cycle figure not computed yet
 _SAMPLE_EVERY = 16  # every this many cycles a fixed chain also feeds the tree's models (expert forecast, calibrator)
 _MAX_CACHED = 64
 _CONTEXT_TRIALS = 2.0  # chain cycles (decayed) a lookup class needs before a lookup chain may replace a drafting kind
-_LOOKUP_REPLACES = 2  # a lookup chain may replace plain steps and fixed chains up to this many levels
+_LOOKUP_REPLACES = 2  # a lookup chain may replace plain steps and fixed chains up to this many levels ...
+_LOOKUP_TOKENS = 4.0  # ... and deeper fixed chains whose cycles commit no more tokens than this
 # the node lists a chain's selections use, made once (a tensor per level is host time every cycle)
 _PREFIXES = [torch.arange(n, dtype=torch.long) for n in range(_MAX_CACHED + 1)]
 _LAST = [torch.tensor([n], dtype=torch.long) for n in range(_MAX_CACHED)]
@@ -241,7 +243,7 @@ class SpecFitPolicy(SelectionPolicy):
         cycle's routing, which is most of a cycle's spread (4090 twin, GSM8K at half cache,
         host time frozen, 16 prompts: the 10-token chains took 22 to 132 ms; the gate's figure
         missed them by 91 % on average, the forecast's predicted misses correlate 0.97 with the
-        loads).
+        loads).  Once drafted, only the prefix that pays is verified (:meth:`_best_prefix`).
         """
         n = len(tree)
         nodes = _prefix(n)
@@ -251,10 +253,45 @@ class SpecFitPolicy(SelectionPolicy):
         seconds = self._prefix_seconds(tree, n)
         if figures is not None and not (n == tree.num_levels and self._sampled()):
             expected = figures[0]
+            h, expected, seconds = self._best_prefix(tree, n, expected, seconds)
+            nodes = _prefix(h)
         else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
+
+    def _best_prefix(self, tree: DraftTree, n: int, expected: float, seconds: float) -> tuple[int, float, float]:
+        """The prefix of a drafted ``n``-level chain worth verifying: ``(h, E(h), T(h))`` of highest ``E / T``.
+
+        The chain's kind was chosen on average figures; once it is drafted, the forecast says which
+        of its nodes route to experts the cache lacks.  A verified node costs its compute and its
+        loads, and the nodes past a costly one are worth less than they cost where they are
+        unlikely to be reached: the verify stops before them (drafting is spent either way).
+        ``E(h)``: the gate's chain tokens at ``h`` scaled to the kind's ``expected``; ``T(h)``: the
+        kind's own seconds at its mean verified nodes, moved to ``h`` nodes by the verification fit,
+        plus the forecast's loads of the root and ``h`` nodes.  ``(n, expected, seconds)`` while a
+        figure is missing.
+        """
+        gate, costs = self.gate, self.costs
+        ct = gate.chain_tokens()
+        own = gate.own_seconds(self._kind)
+        verify = gate.state.verify.last_fit if gate.state.verify is not None else None
+        missing = self.forecast.chain_missing(tree)
+        if n < 2 or ct is None or own is None or verify is None or missing is None or ct[n] <= 0:
+            return n, expected, seconds
+        v = gate.state.sums[self._kind]
+        mean_nodes = float(v[3] / v[2])  # the nodes the kind's own seconds were measured at
+        novelty = gate.novelty()
+        scale = expected / float(ct[n])
+        best = (n, expected, seconds)
+        for h in range(1, n):
+            compute = verify.t_token * (h - mean_nodes) + verify.t_novel * (
+                novel_at(novelty, h) - novel_at(novelty, mean_nodes))
+            t = own + compute + costs.t_expert * costs.expected_loads(h, self._root_guess, int(missing[h]))
+            e = float(ct[h]) * scale
+            if t > 0 and e * best[2] > best[1] * t:
+                best = (h, e, t)
+        return best
 
     def _prefix_seconds(self, tree: DraftTree, verified: int) -> float:
         """The per-node forecast of a drafted ``tree`` with its first ``verified`` nodes verified (a chain prefix).
@@ -399,7 +436,11 @@ class SpecFitPolicy(SelectionPolicy):
         leaves it the hard ones: its acceptance estimates fall, the gate shortens its chains, and
         the call is slower (12 + 12 prompts at half cache: GSM8K 1.39x plain decoding against
         1.58x without lookup chains, where replacing only plain steps and short chains gives 1.58x;
-        CNN/DM 1.25x against 1.14x and 1.24x).
+        CNN/DM 1.25x against 1.14x and 1.24x).  A deeper chain counts as short where its cycles commit
+        no more than :data:`_LOOKUP_TOKENS`: it verifies the prefixes its forecast says pay
+        (:meth:`_best_prefix`), and on fresh text those are a short chain's (host time frozen, five
+        twins x GSM8K and CNN/DM x 25 / 50 / 75 % cache, prompts 1-16, against deep chains never
+        replaced: 1.021x geo-mean, 0.97-1.10x; CNN/DM alone 1.041x).
 
         Each copied token is priced by what the routing of the text it repeats says it adds
         (:meth:`~.forecast.ExpertForecast.lookup_misses`): the distinct experts its verify computes
@@ -414,7 +455,11 @@ class SpecFitPolicy(SelectionPolicy):
         kind = self._kind
         if kind == state.exploring or "plain" not in state.sums:
             return None
-        short_chain = kind.startswith("chain:") and kind_depth(kind) <= _LOOKUP_REPLACES
+        # a chain of at most _LOOKUP_REPLACES levels, or a deeper one whose cycles commit no more than
+        # _LOOKUP_TOKENS (it verifies the prefixes its forecast says pay: _best_prefix)
+        short_chain = kind.startswith("chain:") and (
+            kind_depth(kind) <= _LOOKUP_REPLACES
+            or (kind in state.sums and gate.ranked_figures().get(kind, (math.inf,))[0] <= _LOOKUP_TOKENS))
         if kind != "plain" and kind != "tree" and not short_chain:
             return None
         verify = state.verify.last_fit if state.verify is not None else None
