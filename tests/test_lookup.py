@@ -271,8 +271,32 @@ def test_lookup_chain_replaces_a_plain_step_only_when_it_pays():
     for _ in range(300):  # ... and then never
         policy.gate.state.lookup.observe(proposal, [9, 9, 9, 9])
     assert policy._lookup_cycle(proposal) is None
-    policy._kind = "chain:3"  # deeper drafted chains are never replaced
+    policy._kind = "chain:3"  # nor a deeper chain (not measured here)
     assert policy._lookup_cycle(LookupProposal((5, 6, 7, 8), ngram=8)) is None
+
+
+def test_lookup_chain_replaces_a_deeper_chain_only_where_its_cycles_commit_little():
+    """A deep chain verifying a short prefix on fresh text commits what a short chain does, and a lookup
+    chain replaces it like one; where the deep chain commits many tokens the draft takes the repeats."""
+    from specfit_hf.selection.lookup import lookup_context
+    from specfit_hf.selection.specfit import _LOOKUP_TOKENS
+
+    proposal = LookupProposal((5, 6, 7, 8), ngram=8)
+    decisions = {}
+    for committed, verified in ((2, 2), (8, 7)):
+        policy = _policy_with_measurements({lookup_context(proposal): True})
+        for _ in range(30):  # chain:7's own cycles: drafted 7 levels, verified a prefix
+            policy.gate.observe("chain:7", committed, 0.012, nodes=verified, accepted=committed - 1,
+                                context=lookup_context(proposal))
+        for _ in range(50):  # lookup proposals after 8-gram matches are always right
+            policy.gate.state.lookup.observe(proposal, [5, 6, 7, 8])
+        policy._kind, policy._context = "chain:7", lookup_context(proposal)
+        tokens = policy.gate.ranked_figures()["chain:7"][0]
+        decisions[committed] = (tokens, policy._lookup_cycle(proposal))
+    tokens, chain = decisions[2]
+    assert tokens <= _LOOKUP_TOKENS and chain is not None and chain.lookup
+    tokens, chain = decisions[8]
+    assert tokens > _LOOKUP_TOKENS and chain is None
 
 
 def test_lookup_chain_must_beat_the_draft_where_the_text_repeats():

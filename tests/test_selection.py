@@ -627,29 +627,40 @@ class _FixedExperts:
         return self.predict_root(tree), self.predict(tree, nodes)
 
 
-def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_miss():
+def _drafted_chain3(resident, t_expert, verify_fit=False):
+    """A specfit policy whose gate has measured ``chain:3`` (every depth accepted) and picks it, over a
+    forecast where node ``i`` routes to expert ``i + 1`` (``resident``: the cache); returns the policy and
+    its selection once the three levels are drafted."""
     from specfit_hf.selection.forecast import ExpertForecast
 
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=t_expert))
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=t_expert))  # (reset drops it without a runtime)
+    if verify_fit:  # the verification fit that moves the chain's own seconds to fewer verified nodes
+        policy.gate.state.verify = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
+    fixed = _FixedExperts(resident)
+    policy.forecast = ExpertForecast(fixed, fixed)
+    for _ in range(6):  # the gate has figures for the chain: they are blind to this cycle's routing
+        policy.gate.observe("plain", 1, 0.02)
+        policy.gate.observe("chain:3", 4, 0.03, nodes=3, accepted=3)
+    policy.gate.state.cycle = 1  # not a cycle the tree's models sample
+    assert "chain:3" in policy.gate.ranked_figures() and not policy._sampled()
+    policy.gate.choose = lambda: "chain:3"
+    policy.select(DraftTree(root_token=5), ctx)
+    tree = DraftTree(root_token=5)
+    for level in range(3):
+        tree.add_level(torch.tensor([10 + level]), torch.tensor([level - 1]), torch.tensor([0.5]))
+        sel = policy.select(tree, ctx)
+    assert sel.stop
+    return policy, sel
+
+
+def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_miss():
     times = {}
     for label, resident in (("warm", [True] * 16), ("cold", [True] * 1 + [False] * 15)):
-        config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
-        policy = get_policy("specfit", config)
-        policy.reset(ctx)
-        policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops it without a runtime)
-        fixed = _FixedExperts(resident)
-        policy.forecast = ExpertForecast(fixed, fixed)
-        for _ in range(6):  # the gate has figures for the chain: they are blind to this cycle's routing
-            policy.gate.observe("plain", 1, 0.02)
-            policy.gate.observe("chain:3", 4, 0.03, nodes=3, accepted=3)
-        policy.gate.state.cycle = 1  # not a cycle the tree's models sample
-        assert "chain:3" in policy.gate.ranked_figures() and not policy._sampled()
-        policy.gate.choose = lambda: "chain:3"
-        policy.select(DraftTree(root_token=5), ctx)
-        tree = DraftTree(root_token=5)
-        for level in range(3):
-            tree.add_level(torch.tensor([10 + level]), torch.tensor([level - 1]), torch.tensor([0.5]))
-            sel = policy.select(tree, ctx)
-        assert sel.stop and sel.nodes.tolist() == [0, 1, 2]
+        policy, sel = _drafted_chain3(resident, 0.002)
+        assert sel.nodes.tolist() == [0, 1, 2]
         times[label] = sel.predicted_time
     # the cold chain's 3 nodes each bring one expert the cache lacks
     _, b = policy.costs.node_loads
@@ -659,28 +670,9 @@ def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_m
 def test_a_drafted_chain_verifies_only_the_prefix_its_forecast_says_pays():
     """A fixed chain is chosen on average figures; once drafted, a node predicted to need an expert
     the cache lacks (and every node after it) is verified only if its tokens are worth that load."""
-    from specfit_hf.selection.forecast import ExpertForecast
-
     chosen = {}
     for label, resident in (("warm", [True] * 16), ("third node cold", [True] * 3 + [False] + [True] * 12)):
-        config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.05))
-        policy = get_policy("specfit", config)
-        policy.reset(ctx)
-        policy.costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.05))
-        policy.gate.state.verify = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.0))
-        fixed = _FixedExperts(resident)
-        policy.forecast = ExpertForecast(fixed, fixed)
-        for _ in range(6):  # measured: the chain's own cycles, every depth accepted
-            policy.gate.observe("plain", 1, 0.02)
-            policy.gate.observe("chain:3", 4, 0.03, nodes=3, accepted=3)
-        policy.gate.state.cycle = 1  # not a cycle the tree's models sample
-        policy.gate.choose = lambda: "chain:3"
-        policy.select(DraftTree(root_token=5), ctx)
-        tree = DraftTree(root_token=5)
-        for level in range(3):
-            tree.add_level(torch.tensor([10 + level]), torch.tensor([level - 1]), torch.tensor([0.5]))
-            sel = policy.select(tree, ctx)
-        assert sel.stop
+        policy, sel = _drafted_chain3(resident, 0.05, verify_fit=True)
         chosen[label] = (sel.nodes.tolist(), sel.expected_tokens, sel.predicted_time)
         tokens = policy.gate.chain_tokens()
         if label == "warm":
