@@ -282,13 +282,15 @@ class SpecFitPolicy(SelectionPolicy):
         v = gate.state.sums[self._kind]
         mean_nodes = float(v[3] / v[2])  # the nodes the kind's own seconds were measured at
         novelty = gate.novelty()
+        # every prefix's new experts in one interpolation (a call per prefix was most of this method's time)
+        novel, novel_mean = novel_at(novelty, np.arange(n)).tolist(), novel_at(novelty, mean_nodes)
+        tokens, misses = ct[:n].tolist(), missing[:n].tolist()
         scale = expected / float(ct[n])
         best = (n, expected, seconds)
         for h in range(1, n):
-            compute = verify.t_token * (h - mean_nodes) + verify.t_novel * (
-                novel_at(novelty, h) - novel_at(novelty, mean_nodes))
-            t = own + compute + costs.t_expert * costs.expected_loads(h, self._root_guess, int(missing[h]))
-            e = float(ct[h]) * scale
+            compute = verify.t_token * (h - mean_nodes) + verify.t_novel * (novel[h] - novel_mean)
+            t = own + compute + costs.t_expert * costs.expected_loads(h, self._root_guess, int(misses[h]))
+            e = tokens[h] * scale
             if t > 0 and e * best[2] > best[1] * t:
                 best = (h, e, t)
         return best
