@@ -58,6 +58,7 @@ def _add_link_timing_arg(p: argparse.ArgumentParser, default: str) -> None:
 def _add_twin_arg(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument(
         "--twin", default=None, metavar="MODEL@DEVICE-LINK[+graphs]", nargs="+" if many else None,
+        action="extend" if many else "store",  # `--twin A --twin B` runs both, like `--twin A B`
         help="charge a device twin's MODELED GPU time for forwards and expert transfers instead of this CPU's "
         "(specfit_hf.twin; e.g. qwen3-30b-a3b@rtx4090-pcie4" + ("; several: one part each, merged" if many else "")
         + "); --link/--link-gbps are then ignored",

@@ -82,6 +82,9 @@ def test_demo_and_generate_reject_unknown_twin():
         main(["generate", "--prompt", "x", "--twin", "nope@nowhere"])
     args = build_parser().parse_args(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4", "mixtral-8x7b@rtx4090-pcie4"])
     assert args.twin == ["qwen3-30b-a3b@rtx4090-pcie4", "mixtral-8x7b@rtx4090-pcie4"] and args.max_new_tokens == 128
+    repeated = build_parser().parse_args(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4",
+                                          "--twin", "mixtral-8x7b@rtx4090-pcie4"])
+    assert repeated.twin == args.twin  # a repeated --twin adds a part, it does not replace the first
     with pytest.raises(SystemExit, match="unknown twin"):
         main(["bench", "--twin", "qwen3-30b-a3b@rtx4090-pcie4", "nope@nowhere"])
     assert build_parser().parse_args(["generate", "--prompt", "x", "--twin", "qwen3-30b-a3b@h100-pcie5"]).twin == \
