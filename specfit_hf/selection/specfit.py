@@ -250,17 +250,19 @@ class SpecFitPolicy(SelectionPolicy):
         if tree.num_levels < min(depth, self.max_chain) and n == tree.num_levels:
             return Selection(nodes=nodes, stop=False, expand=_last(n), children=1)
         figures = self.gate.ranked_figures().get(self._kind)
-        seconds = self._prefix_seconds(tree, n)
+        missing = self._chain_missing(tree)  # read once: the forecast and the prefix search both price with it
+        seconds = self._prefix_seconds(tree, n, missing)
         if figures is not None and not (n == tree.num_levels and self._sampled()):
             expected = figures[0]
-            h, expected, seconds = self._best_prefix(tree, n, expected, seconds)
+            h, expected, seconds = self._best_prefix(tree, n, expected, seconds, missing)
             nodes = _prefix(h)
         else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
 
-    def _best_prefix(self, tree: DraftTree, n: int, expected: float, seconds: float) -> tuple[int, float, float]:
+    def _best_prefix(self, tree: DraftTree, n: int, expected: float, seconds: float,
+                     missing: np.ndarray | None) -> tuple[int, float, float]:
         """The prefix of a drafted ``n``-level chain worth verifying: ``(h, E(h), T(h))`` of highest ``E / T``.
 
         The chain's kind was chosen on average figures; once it is drafted, the forecast says which
@@ -269,14 +271,13 @@ class SpecFitPolicy(SelectionPolicy):
         unlikely to be reached: the verify stops before them (drafting is spent either way).
         ``E(h)``: the gate's chain tokens at ``h`` scaled to the kind's ``expected``; ``T(h)``: the
         kind's own seconds at its mean verified nodes, moved to ``h`` nodes by the verification fit,
-        plus the forecast's loads of the root and ``h`` nodes.  ``(n, expected, seconds)`` while a
-        figure is missing.
+        plus the forecast's loads of the root and ``h`` nodes (``missing``: :meth:`_chain_missing`).
+        ``(n, expected, seconds)`` while a figure is missing.
         """
         gate, costs = self.gate, self.costs
         ct = gate.chain_tokens()
         own = gate.own_seconds(self._kind)
         verify = gate.state.verify.last_fit if gate.state.verify is not None else None
-        missing = self.forecast.chain_missing(tree)
         if n < 2 or ct is None or own is None or verify is None or missing is None or ct[n] <= 0:
             return n, expected, seconds
         v = gate.state.sums[self._kind]
@@ -295,13 +296,19 @@ class SpecFitPolicy(SelectionPolicy):
                 best = (h, e, t)
         return best
 
-    def _prefix_seconds(self, tree: DraftTree, verified: int) -> float:
+    def _chain_missing(self, tree: DraftTree) -> np.ndarray | None:
+        """The forecast's misses of the root plus each prefix of ``tree`` if it is a chain, else ``None``."""
+        return self.forecast.chain_missing(tree) if len(tree) == tree.num_levels else None
+
+    def _prefix_seconds(self, tree: DraftTree, verified: int, missing: Any = _UNSET) -> float:
         """The per-node forecast of a drafted ``tree`` with its first ``verified`` nodes verified (a chain prefix).
 
         A fixed chain that has run a few cycles takes its drafting and compute from them (what the
         gate prices it by) and its transfers from the forecast; otherwise the cycle cost model.
+        ``missing``: :meth:`_chain_missing` of ``tree``, when the caller has it.
         """
-        missing = self.forecast.chain_missing(tree) if len(tree) == tree.num_levels else None  # (root with it)
+        if missing is _UNSET:
+            missing = self._chain_missing(tree)  # (root with it)
         self._root_guess = self.forecast.root_guess(tree)
         misses = (self._root_guess or 0) if missing is None else int(missing[verified])
         own = self.gate.own_seconds(self._kind) if self._kind.startswith("chain:") else None
