@@ -426,3 +426,26 @@ def test_specfits_context_routing_is_the_targets_routing_of_every_position():
         SpecFitPolicy.observe = original
         runtime.detach()
     assert matched >= 0.98 * total  # an incremental forward may flip a near-tie of the router
+
+
+def test_lookup_chain_and_the_plain_step_it_replaces_share_this_cycles_root():
+    """A lookup chain competes with the plain step of *its* cycle: where the text it repeats says the root's
+    experts are resident, that step is cheap and the copied tokens' loads must pay against it, not against
+    the mean plain step (which, once lookups take the repeats, is the novel text's costly one)."""
+    from specfit_hf.selection.lookup import lookup_context
+
+    proposal = LookupProposal((5, 6, 7, 8), ngram=8)
+    decisions = {}
+    for root_misses in (0, 8):
+        policy = _policy_with_measurements({})
+        for _ in range(30):  # plain steps: 5 ms of compute and 8 loads of 10 ms each
+            policy.gate.observe("plain", 1, 0.085, loads=8, root_loads=8, t_expert=0.010)
+        for _ in range(50):  # these proposals are right half the time
+            policy.gate.state.lookup.observe(proposal, [5, 6, 7, 8] if _ % 2 else [9, 9, 9, 9])
+        policy._kind, policy._context = "plain", lookup_context(proposal)
+        # the repeat's routing: the root's misses, then two more for every copied token
+        guess = (np.array([root_misses + 2 * i for i in range(5)]), np.arange(5, dtype=np.float64))
+        policy._repeat_guess = lambda _proposal, guess=guess: guess
+        decisions[root_misses] = policy._lookup_cycle(proposal)
+    assert decisions[0] is None  # a 5 ms plain step beats paying 20 ms a copied token
+    assert decisions[8] is not None and decisions[8].lookup  # an 85 ms one does not

@@ -478,6 +478,16 @@ class SpecFitPolicy(SelectionPolicy):
         tokens, kind_seconds = figures
         if kind == "tree" and tokens > 1 + _LOOKUP_REPLACES:
             return None  # a tree that commits what a long chain does: the draft takes the repeats
+        root_seconds = gate.plain_figures()[1]
+        guess = self._repeat_guess(proposal)
+        if kind == "plain" and guess is not None:
+            # the lookup would replace this cycle's plain step: both are priced by this cycle's root.
+            # Priced at the mean plain step, which once lookups take the repeats is the novel text's
+            # costly one, a lookup looked cheaper than steps whose experts are resident (Mixtral 4090
+            # twin, GSM8K at 25 % cache, prompts 1-16: 6.46 -> 7.52 tok/s, 0.97x -> 1.12x plain
+            # decoding; prompts 17-32: 6.67 -> 6.73; host time frozen, 30 twin cells x the two prompt
+            # sets: 1.002x / 1.001x geo-mean, 0.94-1.06x)
+            root_seconds = kind_seconds = gate.plain_seconds(self.costs.context_loads(int(guess[0][0])))
         rate = tokens / max(kind_seconds, 1e-12)
         if short_chain and gate.context_trials(self._context) < _CONTEXT_TRIALS:
             return None
@@ -490,13 +500,11 @@ class SpecFitPolicy(SelectionPolicy):
                 if chain in ranked:
                     rate = max(rate, float(here[depth]) / max(ranked[chain][1], 1e-12))
         q = state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt)
-        # the hurdle prices the root at the ranked kinds' root mean: lookup roots load less (the
-        # forecast below says so), but priced at that the lookup chains took the draft's easy cycles
-        # and the calls were slower (host time frozen, CNN/DM prompts 1-16, against this hurdle: 4090
-        # twin at half cache 0.932x, Mixtral 4090 twin at half and 75 % cache 0.962x and 0.981x, H100
-        # twin 1.031x)
-        root_seconds = gate.plain_figures()[1]
-        guess = self._repeat_guess(proposal)
+        # against a chain or the tree the hurdle prices the root at the ranked kinds' root mean: lookup
+        # roots load less (the forecast below says so), but priced at that the lookup chains took the
+        # draft's easy cycles and the calls were slower (host time frozen, CNN/DM prompts 1-16, against
+        # this hurdle: 4090 twin at half cache 0.932x, Mixtral 4090 twin at half and 75 % cache 0.962x
+        # and 0.981x, H100 twin 1.031x)
         if guess is not None:
             # each copied token priced by what the routing of the text it repeats says it adds: the
             # distinct experts its verify computes and the loads among them (the root stays at the
