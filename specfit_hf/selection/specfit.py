@@ -458,6 +458,9 @@ class SpecFitPolicy(SelectionPolicy):
         evicted experts is not (4090, H100 and Mixtral 4090 twins, CNN/DM at 25 / 50 / 75 % cache,
         host time frozen, 14 cell x prompt-set pairs: 1.071x geo-mean, 0.94-1.19x, 11 of 14 at or
         above; GSM8K, where lookups are few, 14 pairs: 0.992x, 0.92-1.05x).
+
+        Where it would replace a plain step, that step and the chain's root are both this cycle's
+        plain step, its loads as the same routing guess says (docs/acceptance, ``36f0297``).
         """
         gate = self.gate
         state = gate.state
@@ -507,8 +510,8 @@ class SpecFitPolicy(SelectionPolicy):
         # and 0.981x, H100 twin 1.031x)
         if guess is not None:
             # each copied token priced by what the routing of the text it repeats says it adds: the
-            # distinct experts its verify computes and the loads among them (the root stays at the
-            # mean, as the hurdle's kinds price theirs)
+            # distinct experts its verify computes and the loads among them (the root is priced as the
+            # hurdle prices its own: this cycle's plain step against plain, the mean against the others)
             misses, added = guess
             node_seconds = (verify.t_token + verify.t_novel * np.diff(added)
                             + state.t_expert * np.diff(self.costs.context_loads(misses)))
