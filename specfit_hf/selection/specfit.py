@@ -481,8 +481,10 @@ class SpecFitPolicy(SelectionPolicy):
         tokens, kind_seconds = figures
         if kind == "tree" and tokens > 1 + _LOOKUP_REPLACES:
             return None  # a tree that commits what a long chain does: the draft takes the repeats
-        root_seconds = gate.plain_figures()[1]
-        guess = self._repeat_guess(proposal)
+        if short_chain and gate.context_trials(self._context) < _CONTEXT_TRIALS:
+            return None
+        root_seconds = kind_seconds if kind == "plain" else gate.plain_figures()[1]
+        guess = self._repeat_guess(proposal)  # read only once the lookup may run (a routing read each cycle)
         if kind == "plain" and guess is not None:
             # the lookup would replace this cycle's plain step: both are priced by this cycle's root.
             # Priced at the mean plain step, which once lookups take the repeats is the novel text's
@@ -492,8 +494,6 @@ class SpecFitPolicy(SelectionPolicy):
             # sets: 1.002x / 1.001x geo-mean, 0.94-1.06x)
             root_seconds = kind_seconds = gate.plain_seconds(self.costs.context_loads(int(guess[0][0])))
         rate = tokens / max(kind_seconds, 1e-12)
-        if short_chain and gate.context_trials(self._context) < _CONTEXT_TRIALS:
-            return None
         here = gate.chain_tokens_in(self._context)
         if here is not None:
             # the best chain at this class's acceptance: where the text repeats, a deeper chain than
