@@ -346,3 +346,44 @@ def test_chain_path_matches_the_general_search(inst, data):
     ref = select_subtree(parents[:candidates], path[:candidates], node_experts[:candidates], root_experts, cached, cost)
     assert sel.throughput == pytest.approx(ref.throughput, rel=1e-9)
     assert sel.nodes.tolist() == list(range(len(sel)))
+
+
+def _cut_capacity(rows, cols, caps, side):
+    return float(caps[side[rows] & ~side[cols]].sum())
+
+
+def test_scipy_fallback_cuts_as_deep_as_or_tools(monkeypatch):
+    """Without OR-Tools the cut comes from scipy's int32 max-flow: on random graphs its capacity is the
+    int64 solver's (to the fallback's 2^-30 scaling), and the hand-made cut is found."""
+    import specfit_hf.selection.mincut as mincut
+
+    rng = np.random.default_rng(3)
+    graphs = []
+    for _ in range(60):
+        size = int(rng.integers(4, 40))
+        m = int(rng.integers(size, 4 * size))
+        rows, cols = rng.integers(0, size, m), rng.integers(0, size, m)
+        rows[:2], cols[:2] = 0, size - 1  # the source and the sink in the graph (OR-Tools sizes it by its arcs)
+        keep = rows != cols
+        caps = rng.exponential(1.0, m) * (rng.random(m) < 0.9)
+        graphs.append((rows[keep], cols[keep], caps[keep], size))
+    exact = [mincut.min_cut(r, c, w, n, 0, n - 1) for r, c, w, n in graphs]
+    monkeypatch.setattr(mincut, "max_flow", None)
+    for (r, c, w, n), side_exact in zip(graphs, exact):
+        side = mincut.min_cut(r, c, w, n, 0, n - 1)
+        assert side[0] and not side[n - 1]
+        assert _cut_capacity(r, c, w, side) == pytest.approx(_cut_capacity(r, c, w, side_exact),
+                                                             rel=1e-7, abs=1e-9 * w.sum())
+    rows, cols = np.array([0, 0, 1, 2, 1]), np.array([1, 2, 3, 3, 2])
+    assert mincut.min_cut(rows, cols, np.array([3.0, 2.0, 1.0, 5.0, 0.5]), 4, 0, 3).tolist() == [True, True, False, False]
+
+
+@settings(derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(instances())
+def test_search_with_the_scipy_fallback_matches_brute_force(monkeypatch, inst):
+    import specfit_hf.selection.mincut as mincut
+    import specfit_hf.selection.search as search
+
+    monkeypatch.setattr(mincut, "max_flow", None)
+    monkeypatch.setattr(search, "_SPLIT_ROUNDS", 0)  # every step through the cut
+    assert select_subtree(*inst).throughput >= brute_force(*inst) * (1 - 1e-7)
