@@ -78,6 +78,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--cache-fractions", nargs="+", type=float, default=[0.25, 0.5])
     ap.add_argument("--out", default="runs/bench_gpu")
+    ap.add_argument("--policies", nargs="+", default=None,
+                    help="columns to run (as `specfit bench --policies`; default: all)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="weights' dtype (float32: greedy identity without bf16 batch-shape rounding)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device; on a CPU host use `specfit bench` (emulated link).", file=sys.stderr)
@@ -85,17 +89,19 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from specfit_hf.bench import run_benchmark, write_report
+    from specfit_hf.bench import expand_policies, run_benchmark, write_report
     from specfit_hf.cli import load_pair
     from specfit_hf.data import default_model_paths, load_prompts
 
     started = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    policies = expand_policies(args.policies) if args.policies else None
     if args.model:
         target, draft, tok = load_pair(args.model, args.draft, "cpu")
-        target = target.to(torch.bfloat16)
-        draft = draft.to(torch.bfloat16)
+        target = target.to(dtype)
+        draft = draft.to(dtype)
     else:
-        target, draft = build_random_pair(args.layers, torch.bfloat16)
+        target, draft = build_random_pair(args.layers, dtype)
         tok = AutoTokenizer.from_pretrained(default_model_paths().target)  # any tokenizer: ids < 32000
     pinning = measure_pinning(target)  # pinned bytes per expert byte (expect ~1.0, was ~1.33)
     # Non-expert weights go to the GPU through offload_experts; experts stay in pinned host memory.
@@ -107,10 +113,11 @@ def main(argv=None) -> int:
         tune[rows[0]["category"]] = [r["prompt"] for r in rows[args.prompts:]]
     results = run_benchmark(
         target, draft, tok, prompts, cache_fractions=args.cache_fractions, device="cuda",
-        max_new_tokens=args.max_new_tokens, tune_prompts=tune, tune_candidates=(8, 16, 32, 60),
+        max_new_tokens=args.max_new_tokens, tune_prompts=tune, tune_candidates=(8, 16, 32, 60), policies=policies,
     )
     results["meta"]["gpu"] = torch.cuda.get_device_name()
     results["meta"]["random_weights"] = args.model is None
+    results["meta"]["dtype"] = args.dtype
     results["meta"]["host_pinning"] = pinning
     paths = write_report(results, args.out)
     print(paths["markdown"].read_text())

@@ -15,8 +15,12 @@ puts it behind this project's offload runtime with every expert resident, and me
 * host->device copies of 1..16 experts from pinned memory (copy engine, side stream);
 
 and prints each beside the twin's modeled time (:mod:`specfit_hf.twin`, the same model of a
-``layers``-layer model), the MAPE per kind, and the **fitted host overhead per kernel launch**
-(what the twin assumes until this runs: ``SECONDS_PER_LAUNCH``).
+``layers``-layer model), the MAPE per kind, the **fitted host overhead per kernel launch**
+(``SECONDS_PER_LAUNCH`` came from this script's first GPU run, an H200 on 2026-12-04), the MAPE
+again with that fit (spec-sheet device, then measured device), and the kernels a 1-token
+forward launches (torch.profiler), with and without the offload runtime.  ``--device-spec`` /
+``--link-spec`` model the GPU and link this runs on where no twin has them (``h200``, ``pcie5``);
+``--json`` writes every row.  ``scripts/gpu_check.sh`` runs it with the other GPU checks.
 
 On a CPU (``--device cpu``) it runs a reduced form: dimensions divided by ``--reduce``,
 fp32, and the "device" is this CPU as measured here (memory bandwidth from a large reduction,
@@ -28,6 +32,7 @@ reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -39,7 +44,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specfit_hf.twin import DeviceSpec, LinkSpec, Twin, distinct_experts, effective_tokens, get_twin  # noqa: E402
+from specfit_hf.twin import (  # noqa: E402
+    DEVICES,
+    LINKS,
+    DeviceSpec,
+    LinkSpec,
+    Twin,
+    distinct_experts,
+    effective_tokens,
+    get_twin,
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -127,16 +141,52 @@ def build(twin: Twin, layers: int, reduce: int, device: torch.device, dtype: tor
     return target, draft, spec_model
 
 
+def count_kernel_launches(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Kernels one call of ``fn`` launches on a CUDA device (torch.profiler), or None where it cannot count."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            _sync(device)
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception as exc:  # noqa: BLE001 - a profiler that does not work here only loses this figure
+        print(f"(kernel count unavailable: {exc})")
+        return None
+
+
+def _mape(rows: list[tuple[str, str, float, Callable[[Twin], float]]], twin: Twin) -> dict[str, float]:
+    errors: dict[str, list[float]] = {}
+    for kind, _, measured, model in rows:
+        errors.setdefault(kind, []).append(abs(model(twin) - measured) / measured)
+    mape = {k: 100 * statistics.fmean(v) for k, v in errors.items()}
+    mape["all"] = 100 * statistics.fmean(e for v in errors.values() for e in v)
+    return mape
+
+
+def _fit_launch(twin: Twin, measured_n1: list[tuple[float, Callable[[Twin], float]]], launches: int) -> float:
+    """Host seconds per launch that make the 1-token forwards' roofline + launches match the measurement."""
+    no_host = replace(twin, seconds_per_launch=0.0)
+    return statistics.fmean((m - model(no_host)) / launches for m, model in measured_n1)
+
+
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> dict[str, float]:
     """Measure and model; print the table; returns MAPE per kind (and ``all``)."""
     from transformers import DynamicCache
 
     from specfit_hf.offload import offload_experts
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     twin = get_twin(args.twin)
+    if args.device_spec:  # the GPU this runs on, when no twin has it (e.g. a lent H200)
+        twin = replace(twin, device=DEVICES[args.device_spec])
+    if args.link_spec:
+        twin = replace(twin, link=LINKS[args.link_spec])
     reduce = args.reduce if args.reduce is not None else (1 if device.type == "cuda" else 16)
     dev_spec, link_spec, per_op = measure_host_device(device, dtype)
     if device.type == "cuda":
@@ -153,28 +203,49 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     print(f"twin {twin.name}: model {spec_model.name} with {layers} layer(s), hidden {spec_model.hidden}, "
           f"{spec_model.experts} experts top-{spec_model.top_k}, expert {spec_model.expert_bytes / 1e6:.2f} MB, "
           f"{dtype}, on {device} (reduce {reduce})")
-    print(f"device modeled: {model_twin.device.memory_gbps:.0f} GB/s, {model_twin.device.bf16_tflops:.3g} TFLOPS, "
-          f"{model_twin.seconds_per_launch * 1e6:.2f} us/launch, link {model_twin.link.gbps:.1f} GB/s; measured here: "
-          f"{dev_spec.memory_gbps:.0f} GB/s, {dev_spec.bf16_tflops:.3g} TFLOPS, {per_op * 1e6:.2f} us/op, "
-          f"copy {link_spec.gbps:.1f} GB/s")
-    runtime = offload_experts(target, device=device, cache_fraction=1.0)
-    rows: list[tuple[str, str, float, float]] = []
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    print(f"device modeled: {model_twin.device.name} {model_twin.device.memory_gbps:.0f} GB/s, "
+          f"{model_twin.device.bf16_tflops:.3g} TFLOPS, {model_twin.seconds_per_launch * 1e6:.2f} us/launch, link "
+          f"{model_twin.link.name} {model_twin.link.gbps:.1f} GB/s; measured here: {dev_spec.memory_gbps:.0f} GB/s, "
+          f"{dev_spec.bf16_tflops:.3g} TFLOPS, {per_op * 1e6:.2f} us/op, copy {link_spec.gbps:.1f} GB/s")
+    rows: list[tuple[str, str, float, Callable[[Twin], float]]] = []
     gen = torch.Generator().manual_seed(0)
     vocab = spec_model.vocab
     past_ids = torch.randint(0, vocab, (1, args.past), generator=gen).to(device)
     fixed_launches = model_twin.launches_per_forward + layers * model_twin.launches_per_target_layer
-    residual_n1 = []
+    launches: dict[str, int | None] = {}
+
+    def forward_step(ids: torch.Tensor) -> Callable[[], None]:
+        cache = DynamicCache(config=target.config)
+        target(input_ids=past_ids, past_key_values=cache, use_cache=True)
+        n = ids.shape[1]
+
+        def step() -> None:
+            target(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.crop(-n)  # drop this forward's keys: the next call sees the same past
+
+        return step
+
+    # transformers' own forward (experts resident in the model, no offload runtime): its host overhead alone
+    for n in args.bare_tokens if device.type == "cuda" else []:
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        step = forward_step(ids)
+        if n == 1:
+            launches["target, transformers alone"] = count_kernel_launches(step, device)
+        measured = _time(step, device, args.repeats)
+        rows.append(("bare target", f"n={n:<3d} random, no offload runtime", measured,
+                     lambda t, n=n: t.target_forward_seconds(n, args.past, distinct_experts(n, spec_model.experts,
+                                                                                            spec_model.top_k))))
+    runtime = offload_experts(target, device=device, cache_fraction=1.0)
+    measured_n1: list[tuple[float, Callable[[Twin], float]]] = []
     for n in args.tokens:
         for kind in ("random", "repeated"):
             ids = (torch.randint(0, vocab, (1, n), generator=gen) if kind == "random"
                    else torch.full((1, n), int(torch.randint(0, vocab, (1,), generator=gen)))).to(device)
-            cache = DynamicCache(config=target.config)
-            target(input_ids=past_ids, past_key_values=cache, use_cache=True)
-
-            def step() -> None:
-                target(input_ids=ids, past_key_values=cache, use_cache=True)
-                cache.crop(-n)  # drop this forward's keys: the next call sees the same past
-
+            step = forward_step(ids)
+            if n == 1 and kind == "random":
+                launches["target, offload runtime"] = count_kernel_launches(step, device)
             measured = _time(step, device, args.repeats)
             d_real = []
             for layer in runtime.moe_layers:
@@ -182,52 +253,85 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 d_real.append(distinct_experts(effective_tokens(d, runtime.num_experts, runtime.top_k, n),
                                                spec_model.experts, spec_model.top_k))
             distinct = statistics.fmean(d_real)
-            modeled = model_twin.target_forward_seconds(n, args.past, distinct)
-            rows.append(("target", f"n={n:<3d} {kind:<8s} distinct/layer {distinct:5.1f}", measured, modeled))
+
+            def model(t: Twin, n: int = n, distinct: float = distinct) -> float:
+                return t.target_forward_seconds(n, args.past, distinct)
+
+            rows.append(("target", f"n={n:<3d} {kind:<8s} distinct/layer {distinct:5.1f}", measured, model))
             if n == 1 and kind == "random":
-                residual_n1.append((measured - replace(model_twin, seconds_per_launch=0.0)
-                                    .target_forward_seconds(n, args.past, distinct)) / fixed_launches)
+                measured_n1.append((measured, model))
     hidden = torch.randn(1, max(args.draft_nodes), spec_model.hidden, generator=gen).to(device, dtype)
     for t in args.draft_nodes:
         ids = torch.randint(0, vocab, (1, t), generator=gen).to(device)
         measured = _time(lambda: draft(ids, hidden_states=hidden[:, :t]), device, args.repeats)
-        modeled = model_twin.draft_level_seconds(t, 0) + model_twin.draft_matmul_seconds(spec_model.draft.lm_head_params, t)
-        rows.append(("draft level", f"nodes={t}", measured, modeled))
+        rows.append(("draft level", f"nodes={t}", measured,
+                     lambda tw, t=t: tw.draft_level_seconds(t, 0)
+                     + tw.draft_matmul_seconds(spec_model.draft.lm_head_params, t)))
     for t in args.draft_nodes:  # SpecFit's expert heads on the draft state (one linear per MoE layer, top-k)
         rows_t = hidden[0, :t]
         measured = _time(lambda: draft.predict_experts(rows_t).cpu(), device, args.repeats)
-        rows.append(("expert heads", f"nodes={t}", measured, model_twin.expert_heads_seconds(t)))
+        rows.append(("expert heads", f"nodes={t}", measured, lambda tw, t=t: tw.expert_heads_seconds(t)))
     layer = runtime.moe_layers[0]
     host = {name: w for name, w in runtime._layer(layer).host.items()}  # noqa: SLF001 - the real host copies
     slots = {name: w for name, w in runtime._layer(layer).slots.items()}  # noqa: SLF001
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    expert_bytes = runtime.expert_bytes
     for m in args.copies:
         def copy() -> None:
             ctx = torch.cuda.stream(stream) if stream is not None else _null()
             with ctx:
                 for e in range(m):
                     for name in host:
-                        slots[name][e % slots[name].shape[0]].copy_(host[name][e], non_blocking=True)
+                        slots[name][e % slots[name].shape[0]].copy_(host[name][e % host[name].shape[0]], non_blocking=True)
             if stream is not None:
                 stream.synchronize()
 
         measured = _time(copy, device, args.repeats)
-        modeled = m * (runtime.expert_bytes / (model_twin.link.gbps * 1e9) + model_twin.link.latency_us * 1e-6)
-        rows.append(("H2D copy", f"experts={m}", measured, modeled))
+        rows.append(("H2D copy", f"experts={m}", measured,
+                     lambda t, m=m: m * (expert_bytes / (t.link.gbps * 1e9) + t.link.latency_us * 1e-6)))
     runtime.detach()
 
     print(f"\n{'kind':<12} {'shape':<40} {'measured ms':>12} {'modeled ms':>11} {'error':>8}")
-    errors: dict[str, list[float]] = {}
-    for kind, shape, measured, modeled in rows:
-        err = (modeled - measured) / measured
-        errors.setdefault(kind, []).append(abs(err))
-        print(f"{kind:<12} {shape:<40} {measured * 1e3:>12.3f} {modeled * 1e3:>11.3f} {err:>+8.0%}")
-    mape = {k: 100 * statistics.fmean(v) for k, v in errors.items()}
-    mape["all"] = 100 * statistics.fmean(e for v in errors.values() for e in v)
+    for kind, shape, measured, model in rows:
+        modeled = model(model_twin)
+        print(f"{kind:<12} {shape:<40} {measured * 1e3:>12.3f} {modeled * 1e3:>11.3f} "
+              f"{(modeled - measured) / measured:>+8.0%}")
+    mape = _mape(rows, model_twin)
     print("\nMAPE: " + ", ".join(f"{k} {v:.0f}%" for k, v in mape.items()))
-    if residual_n1:
+    report: dict[str, object] = {
+        "twin": model_twin.meta(), "layers": layers, "reduce": reduce, "dtype": str(dtype), "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__,
+        "measured_device": {"memory_gbps": dev_spec.memory_gbps, "bf16_tflops": dev_spec.bf16_tflops,
+                            "seconds_per_op": per_op, "copy_gbps": link_spec.gbps},
+        "rows": [{"kind": k, "shape": sh, "measured_s": me, "modeled_s": mo(model_twin)} for k, sh, me, mo in rows],
+        "mape": mape, "kernel_launches": launches, "assumed_launches_per_forward": fixed_launches,
+    }
+    if measured_n1:
+        fitted = _fit_launch(model_twin, measured_n1, fixed_launches)
         print(f"fitted host overhead per launch (1-token forward minus modeled roofline, over {fixed_launches} launches): "
-              f"{statistics.fmean(residual_n1) * 1e6:.2f} us (the twin assumes {twin.seconds_per_launch * 1e6:.2f} us)")
+              f"{fitted * 1e6:.2f} us (the twin assumes {twin.seconds_per_launch * 1e6:.2f} us); per layer "
+              f"{fitted * fixed_launches / layers * 1e6:.0f} us")
+        report["fitted_seconds_per_launch"] = fitted
+        if device.type == "cuda":
+            refit = replace(model_twin, seconds_per_launch=fitted)
+            measured_dev = replace(model_twin, device=dev_spec, link=link_spec)
+            measured_dev = replace(measured_dev, seconds_per_launch=_fit_launch(measured_dev, measured_n1,
+                                                                                 fixed_launches))
+            variants = {"spec sheet + fitted launch": refit, "measured device + fitted launch": measured_dev}
+            report["mape_variants"] = {}
+            for label, variant in variants.items():
+                m = _mape(rows, variant)
+                report["mape_variants"][label] = m
+                print(f"MAPE with {label}: " + ", ".join(f"{k} {v:.0f}%" for k, v in m.items()))
+    for label, count in launches.items():
+        if count is not None:
+            print(f"kernels launched by a 1-token forward ({label}): {count} "
+                  f"({count / layers:.1f} per layer; the twin assumes {fixed_launches} = "
+                  f"{model_twin.launches_per_forward} + {model_twin.launches_per_target_layer} per layer)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {args.json}")
     return mape
 
 
@@ -250,6 +354,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--draft-nodes", type=int, nargs="+", default=[1, 4, 10, 32, 64])
     parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bare-tokens", type=int, nargs="+", default=[1, 8, 64],
+                        help="CUDA: also time transformers' own forward (no offload runtime) over these token counts")
+    parser.add_argument("--device-spec", default=None, choices=sorted(DEVICES),
+                        help="model this GPU's spec sheet instead of the twin's (e.g. h200 on a lent H200)")
+    parser.add_argument("--link-spec", default=None, choices=sorted(LINKS), help="likewise for the host link")
+    parser.add_argument("--json", default=None, help="also write the rows, MAPEs and fits to this JSON file")
     return run(parser.parse_args(argv))
 
 

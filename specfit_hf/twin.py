@@ -35,10 +35,12 @@ identical, sampling exact); only the clock is modeled.
   tiny transfer cost that many real transfers;
 * a tiny draft level over ``T`` nodes stands for a real draft level over ``T`` nodes.
 
-**Host overhead is an assumption** until ``examples/twin_check.py`` measures it on a GPU:
-seconds per kernel launch from a published batch-1 decode profile (exllamav3 PR #380: 3.07 ms
-host/launch gap over 914 launches of one batch-1 forward = 3.4 us per launch) times launch
-counts per decoder layer counted from transformers' eager code (our count, not a measurement).
+**Host overhead is measured** (``examples/twin_check.py`` on a lent NVIDIA H200, 2026-12-04): a
+batch-1 forward of transformers' eager code is host-bound on a GPU. The kernels of a 1-token forward
+were counted with torch.profiler (Qwen3-30B-A3B shapes with the offload runtime: 86 per decoder layer;
+Mixtral-8x7B: 79) and the time above the roofline split over them: 22.3 us per kernel (Qwen3 23.5,
+Mixtral 19.6). A draft level was fitted at 55 kernels (+2 for ``lm_head``), the expert heads at 6.
+That host (a 16-vCPU Intel Xeon VM) may be slower per kernel than a desktop's CPU.
 Every twin also exists as ``<name>+graphs`` with zero host overhead (a CUDA-graph bound).
 """
 
@@ -73,9 +75,20 @@ __all__ = [
     "sanity_table",
 ]
 
-SECONDS_PER_LAUNCH = 3.07e-3 / 914
-"""Host/launch gap per kernel launch of a batch-1 decode forward (exllamav3 PR #380: 3.07 ms over
-914 launches).  An assumption for transformers eager until ``examples/twin_check.py`` measures it."""
+SECONDS_PER_LAUNCH = 22.3e-6
+"""Host time per kernel of a batch-1 transformers eager forward on a GPU, measured by
+``examples/twin_check.py`` on a lent NVIDIA H200 (torch 2.11.0+cu130, transformers 5.23.0; 16-vCPU Xeon
+VM): (forward time - roofline) / kernels counted, over Qwen3-30B-A3B (16.18 ms / 688 kernels, 8 layers)
+and Mixtral-8x7B (6.16 ms / 315 kernels, 4 layers) shapes.  Until 2026-12-04 the twins assumed 3.4 us
+(exllamav3 PR #380: 3.07 ms over 914 launches of a C++/CUDA engine) and 30 kernels per layer."""
+
+HOST_OVERHEAD_SOURCE = (
+    "MEASURED by examples/twin_check.py on a lent NVIDIA H200 (2026-12-04; torch 2.11.0+cu130, transformers "
+    "5.23.0, 16-vCPU Intel Xeon VM): a 1-token forward is host-bound; torch.profiler counted 86 kernels per "
+    "Qwen3-30B-A3B decoder layer and 79 per Mixtral-8x7B layer (with the offload runtime), and the time above the "
+    "roofline is 22.3 us per kernel (Qwen3 23.5, Mixtral 19.6); a draft level fitted at 55 kernels + 2 (lm_head), "
+    "the expert heads at 6. A desktop CPU may launch faster; the +graphs twins are the zero-overhead bound"
+)
 
 SCALING = {
     "target_forward": "a tiny target forward over n tokens with past cached tokens = a real forward over the "
@@ -88,7 +101,7 @@ SCALING = {
     "its lm_head and fc calls likewise",
     "expert_heads": "a call of the tiny draft's expert heads over T rows (predict_experts: the stacked heads' "
     "matmul and top-k) = the real heads over T rows: one linear per real MoE layer, draft hidden -> E_real "
-    "(L_real x H_draft x E_real parameters), 3 launches; its host side (copying the ids back, bookkeeping) stays "
+    "(L_real x H_draft x E_real parameters) and its kernels; its host side (copying the ids back, bookkeeping) stays "
     "measured",
     "host_time": "everything outside target/draft forwards and transfers is this host's measured time",
 }
@@ -200,9 +213,10 @@ class Twin:
     """A model on a device behind a link, with a host overhead per kernel launch.
 
     Attributes:
-        launches_per_target_layer / launches_per_draft_layer / launches_per_forward: kernel
-            launches of transformers' eager code (counted, an assumption until measured);
-            ``seconds_per_launch`` is 0 for the ``+graphs`` variants.
+        launches_per_target_layer / launches_per_draft_layer / launches_per_forward /
+            launches_per_expert_heads: kernels of transformers' eager code (target layers counted with
+            torch.profiler on a GPU, the per-forward ones inside that count; draft level and expert heads
+            fitted to measured times); ``seconds_per_launch`` is 0 for the ``+graphs`` variants.
     """
 
     name: str
@@ -210,14 +224,11 @@ class Twin:
     device: DeviceSpec
     link: LinkSpec
     seconds_per_launch: float = SECONDS_PER_LAUNCH
-    launches_per_target_layer: int = 30
-    launches_per_draft_layer: int = 25
-    launches_per_forward: int = 10
-    host_overhead_source: str = (
-        "ASSUMPTION until examples/twin_check.py measures it on a GPU: 3.4 us per kernel launch (exllamav3 PR #380, "
-        "batch-1 decode: 3.07 ms host/launch gap over 914 launches) x launches counted in transformers' eager "
-        "Qwen3-MoE/Mixtral decoder layer (30), EAGLE-3 layer (25), per forward (10)"
-    )
+    launches_per_target_layer: int = 86
+    launches_per_draft_layer: int = 55
+    launches_per_forward: int = 0
+    launches_per_expert_heads: int = 6
+    host_overhead_source: str = HOST_OVERHEAD_SOURCE
 
     @property
     def description(self) -> str:
@@ -257,9 +268,9 @@ class Twin:
         return self._roofline(params * 2, 2 * params * tokens, 2)
 
     def expert_heads_seconds(self, tokens: int) -> float:
-        """Modeled seconds of the draft's expert heads over ``tokens`` rows (matmul, top-k, copy out: 3 launches)."""
+        """Modeled seconds of the draft's expert heads over ``tokens`` rows (matmul, top-k, copy out)."""
         params = self.model.expert_heads_params
-        return self._roofline(params * 2, 2 * params * tokens, 3)
+        return self._roofline(params * 2, 2 * params * tokens, self.launches_per_expert_heads)
 
     def expert_transfer_seconds(self) -> float:
         """One real expert over the link."""
@@ -304,6 +315,7 @@ class Twin:
                 "per_target_layer": self.launches_per_target_layer,
                 "per_draft_layer": self.launches_per_draft_layer,
                 "per_forward": self.launches_per_forward,
+                "per_expert_heads": self.launches_per_expert_heads,
             },
             "host_overhead_source": self.host_overhead_source if self.seconds_per_launch else "zero (+graphs)",
             "scaling": dict(SCALING),
@@ -344,6 +356,8 @@ DEVICES: dict[str, DeviceSpec] = _by_name(
                "bf16 with FP32 accumulate (reference-facts.md says ~210, check the whitepaper)"),
     DeviceSpec("h100-pcie", 2000.0, 756.0, "NVIDIA H100 PCIe datasheet: 2.0 TB/s HBM2e; 756 TFLOPS dense bf16"),
     DeviceSpec("gh200", 4000.0, 989.0, "NVIDIA GH200 datasheet: 4.0 TB/s HBM3 (96 GB); 989 TFLOPS dense bf16"),
+    DeviceSpec("h200", 4800.0, 989.0, "NVIDIA H200 datasheet (SXM): 4.8 TB/s HBM3e (141 GB); 989 TFLOPS dense bf16 "
+               "(1,979 with sparsity). No twin uses it: examples/twin_check.py --device-spec h200 on a lent H200"),
 )
 
 LINKS: dict[str, LinkSpec] = _by_name(
@@ -362,7 +376,8 @@ def _twins() -> dict[str, Twin]:
         Twin("qwen3-30b-a3b@rtx5090-pcie5", MODELS["qwen3-30b-a3b"], DEVICES["rtx5090"], LINKS["pcie5"]),
         Twin("qwen3-30b-a3b@h100-pcie5", MODELS["qwen3-30b-a3b"], DEVICES["h100-pcie"], LINKS["pcie5"]),
         Twin("qwen3-30b-a3b@gh200-c2c", MODELS["qwen3-30b-a3b"], DEVICES["gh200"], LINKS["nvlink-c2c"]),
-        Twin("mixtral-8x7b@rtx4090-pcie4", MODELS["mixtral-8x7b"], DEVICES["rtx4090"], LINKS["pcie4"]),
+        Twin("mixtral-8x7b@rtx4090-pcie4", MODELS["mixtral-8x7b"], DEVICES["rtx4090"], LINKS["pcie4"],
+             launches_per_target_layer=79),
     ]
     out = {}
     for t in base:
