@@ -11,6 +11,7 @@
 # (default runs/gpu_check): gpu_check.log and the JSON/markdown the steps write.
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # DEVICE_SPEC=h200 LAYERS=8 by default
+#   STEPS="twin_check_qwen3 bench_tiny_fp32" bash scripts/gpu_check.sh   # only these steps
 #
 # Packages the host lacks can come as wheels in .whl/ (installed to /tmp/site), prompts as jsonl
 # files under $SPECFIT_DATA_DIR (cnn_dailymail/test.jsonl, gsm8k/test.jsonl).
@@ -30,6 +31,7 @@ fi
 
 step() {  # step NAME SECONDS CMD...: run with a time limit, log its output and how it ended
   local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"

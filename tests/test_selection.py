@@ -982,6 +982,38 @@ def test_a_chain_run_a_few_times_is_priced_by_its_own_cycles_and_the_others_by_t
     assert gate.cycle_figures()["chain:3"][1] > 0.020 + 0.001 * m * 0.99
 
 
+def test_chains_deeper_than_a_measured_one_add_the_fitted_levels_to_its_own_price():
+    """A chain not run yet, deeper than one priced by its own cycles, costs that chain's own price plus the fits'
+    extra levels: the fits' fixed part (a cycle's root) is what they get wrong, and the measured chain has it
+    (4090 twin, host-bound eager forwards, GSM8K at 75 % cache: the 6-token chain ran at 124 ms a cycle where
+    the fits said 144, so every deeper chain looked 20 ms dearer than it was and the gate sat on 6 tokens at
+    0.76 of the 10-token chain)."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import _OWN_CYCLES, DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=8)
+    state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0005, t_expert=0.0))
+    kinds = ["plain", *(f"chain:{h}" for h in range(1, 6)), "tree"]
+    gate = DraftingGate(state, True, kinds, 8, 64)
+    for levels in (1, 2, 3) * 10:
+        state.draft.add(levels, levels, 1e-3 * levels, 0.97)  # 1 ms a level
+    gate.observe("plain", 1, 0.004)
+    gate.observe("chain:1", 2, 0.0055, nodes=1, accepted=1)
+    fitted = {k: gate.cycle_figures()[k][1] for k in kinds[1:-1]}
+    per_level = fitted["chain:3"] - fitted["chain:2"]
+    assert per_level == pytest.approx(0.0015, rel=0.05)
+    for _ in range(_OWN_CYCLES):
+        gate.observe("chain:2", 3, 0.005, nodes=2, accepted=2)  # 5 ms a cycle: below the fits' 7
+    figures = gate.cycle_figures()
+    assert figures["chain:2"][1] == pytest.approx(0.005)
+    novelty = gate.novelty()
+    for h in (3, 4, 5):
+        extra = fitted[f"chain:{h}"] - fitted["chain:2"]  # the fits' extra levels (and new experts)
+        assert figures[f"chain:{h}"][1] == pytest.approx(0.005 + extra, rel=1e-6)
+        assert novelty[h] > novelty[2]
+    assert figures["chain:1"][1] == pytest.approx(fitted["chain:1"], rel=0.02)  # shallower: still the fits
+
+
 def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels():
     from specfit_hf.selection.gate import PROBE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
 

@@ -21,7 +21,9 @@ its long-run rate, and a depth seldom reached at all to the depth above it):
 ``E(h) = 1 + p1 + p1 p2 + ...``.  Each kind keeps only its own cost per cycle: a chain run a
 few times is priced by its own drafting and compute, one not run yet by fits of a draft
 level's and a verified token's cost (linear in the levels: the guess that gets a deeper chain
-tried, whose own cycles then correct it).  The tree's tokens are its own, scaled down (never
+tried, whose own cycles then correct it); beyond the deepest chain priced by its own cycles,
+by that chain's price plus the fits' extra levels, since the fits' fixed part is what they get
+wrong.  The tree's tokens are its own, scaled down (never
 up) by how much the chains' acceptance fell since its cycles ran.
 
 **Transfers at today's rate.**  Transfers are most of a step's variance and drift with
@@ -428,6 +430,7 @@ class DraftingGate:
             if per_level is not None:
                 root = plain + t_expert * m + drafting
                 per_novel = t_novel + t_expert * per_new
+                anchor: tuple[int, float] | None = None  # (levels, seconds): the deepest chain priced by its own cycles
                 for kind, h in self._chain_depths:
                     if state.counts.get(kind, 0) >= _OWN_CYCLES:
                         # measured often enough: its own drafting and compute, its transfers at today's
@@ -435,9 +438,16 @@ class DraftingGate:
                         # verify cost more than that: mixtral-pcie4, GSM8K, a 10-level chain forecast at
                         # 71 ms ran at 83 ms, and the gate chose it over the faster 7-level one)
                         out[kind] = (self._chain_tokens_at(ct, h, sums[kind][3] / sums[kind][2]), out[kind][1])
+                        anchor = (h, out[kind][1])
                         continue
                     # deeper tokens share more of the experts before them: each depth pays for what it adds
-                    out[kind] = (ct[h], root + h * per_level + float(novelty[h]) * per_novel)
+                    seconds = root + h * per_level + float(novelty[h]) * per_novel
+                    if anchor is not None:
+                        # beyond a measured chain, only the extra levels come from the fits: their fixed
+                        # part is what the fits get wrong (a cycle's root), and the measured chain has it
+                        ah, a_seconds = anchor
+                        seconds = a_seconds + (h - ah) * per_level + float(novelty[h] - novelty[ah]) * per_novel
+                    out[kind] = (ct[h], seconds)
         if state.draft.t_level is not None:
             # a probe: the cycle it stands in for, plus the levels it drafts and does not verify.  A
             # probe of plain decoding drafts at all (a cycle's first level), and costs what its own
