@@ -32,6 +32,7 @@ reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -180,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     from transformers import DynamicCache
 
     from specfit_hf.offload import offload_experts
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     twin = get_twin(args.twin)
@@ -278,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     expert_bytes = runtime.expert_bytes
     for m in args.copies:
         def copy() -> None:
-            ctx = torch.cuda.stream(stream) if stream is not None else _null()
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
                 for e in range(m):
                     for name in host:
@@ -333,14 +335,6 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {args.json}")
     return mape
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
