@@ -1014,6 +1014,72 @@ def test_chains_deeper_than_a_measured_one_add_the_fitted_levels_to_its_own_pric
     assert figures["chain:1"][1] == pytest.approx(fitted["chain:1"], rel=0.02)  # shallower: still the fits
 
 
+def test_chains_priced_from_a_measured_one_verify_the_share_of_nodes_it_did():
+    """A measured chain's seconds are those of the prefixes its verify kept (:meth:`_best_prefix` stops before
+    costly nodes unlikely to be reached); a deeper chain priced from it keeps the same share of its nodes,
+    else it gets every drafted token for a few levels' drafting (CNN/DM, H100 twin, quarter cache: the
+    gate climbed to 16-level chains that verified 4 tokens)."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import _OWN_CYCLES, DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=8)
+    state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0005, t_expert=0.0))
+    kinds = ["plain", *(f"chain:{h}" for h in range(1, 9)), "tree"]
+    gate = DraftingGate(state, True, kinds, 8, 64)
+    for levels in (1, 2, 3) * 10:
+        state.draft.add(levels, levels, 1e-3 * levels, 0.97)
+    gate.observe("plain", 1, 0.004)
+    for _ in range(_OWN_CYCLES + 4):
+        gate.observe("chain:4", 3, 0.008, nodes=2, accepted=2)  # drafts 4, verifies the 2 that pay
+    ct = gate.chain_tokens()
+    figures = gate.cycle_figures()
+    for h in (5, 6, 8):  # half of the nodes verified, as the measured chain did
+        assert figures[f"chain:{h}"][0] == pytest.approx(float(np.interp(h / 2, np.arange(len(ct)), ct)))
+        assert figures[f"chain:{h}"][0] < ct[h]
+    assert figures["chain:3"][0] == pytest.approx(ct[3])  # shallower: from the fits, every node verified
+
+
+def test_chains_past_the_open_depth_are_ranked_only_once_a_chain_near_them_has_led():
+    """Beyond ``open_depth`` a chain's depths would be the deepest measured rate carried on: it is ranked only
+    once a chain that can probe it has led for a while (host-bound twins, host time frozen, 16 prompts: every
+    chain to 16 ranked from the start cost CNN/DM 2-7 %, where early acceptance priced 16-level chains)."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import (
+        _LEAD_CYCLES,
+        _RERANK,
+        PROBE_DEPTH,
+        DraftingGate,
+        DraftingMeasurements,
+        kind_depth,
+        probe_kind,
+    )
+
+    state = DraftingMeasurements(interval=8)
+    state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0001, t_expert=0.0))
+    kinds = ["plain", *(f"chain:{h}" for h in range(1, 11)), "tree"]
+    gate = DraftingGate(state, True, kinds, 8, 64, open_depth=4)
+    for levels in (1, 2, 3) * 10:
+        state.draft.add(levels, levels, 2e-4 * levels, 0.97)
+    gate.observe("plain", 1, 0.004)
+    for _ in range(20):  # every token accepted: the deepest chain the fits price is the fastest
+        gate.observe("chain:2", 3, 0.0045, nodes=2, accepted=2)
+    assert gate.chain_limit() == 4 and [h for _, h in gate.chain_depths] == [1, 2, 3, 4]
+    assert not any(kind_depth(k) > 4 for k in gate.cycle_figures() if k.startswith("chain:"))
+    assert gate.best() == "chain:4"
+    for _ in range(50):
+        if gate.choose() and state.current == "chain:4":
+            break
+    assert state.current == "chain:4" and gate.chain_limit() == 4  # a lucky stretch does not open deeper chains
+    for _ in range(_LEAD_CYCLES + _RERANK):
+        gate.choose()
+    assert state.deepest_led == 4 and gate.chain_limit() == 4 + PROBE_DEPTH  # once it has led for a while
+    assert "chain:6" in gate.cycle_figures() and "chain:7" not in gate.cycle_figures()
+    assert gate.best() == "chain:6"
+    assert probe_kind(4) in gate._worth_exploring("chain:4")  # the probe that measures depths 5 and 6
+    # without an open depth every chain of the kinds is ranked
+    assert DraftingGate(DraftingMeasurements(interval=8), True, kinds, 8, 64).chain_limit() >= 10
+
+
 def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels():
     from specfit_hf.selection.gate import PROBE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
 
@@ -1243,7 +1309,7 @@ def test_max_chain_lets_fixed_chains_grow_past_the_trees_depth():
     from specfit_hf.clock import simulated
     from specfit_hf.selection import SpecFitPolicy
     from specfit_hf.selection.gate import DraftingGate
-    from specfit_hf.selection.options import DEFAULT_MAX_CHAIN
+    from specfit_hf.selection.options import DEFAULT_MAX_CHAIN, MAX_CHAIN
 
     with pytest.raises(ValueError, match="max_chain"):
         SpecFitConfig(policy_kwargs={"max_chain": 17})
@@ -1251,9 +1317,13 @@ def test_max_chain_lets_fixed_chains_grow_past_the_trees_depth():
                         return_dict_in_generate=True, policy_kwargs={"max_chain": 5, "share_drafting": False})
     policy = SpecFitPolicy(cfg)
     assert policy.max_levels == 5 and policy.max_depth == 2
-    # default: 10 levels, or the tree's depth where that is more
-    assert SpecFitPolicy(SpecFitConfig(max_depth=3)).max_levels == DEFAULT_MAX_CHAIN == 10
-    assert SpecFitPolicy(SpecFitConfig(max_depth=12)).max_levels == 12
+    # default: chains of 10 levels, or the tree's depth where that is more, ranked from the start; deeper
+    # ones, to 16 levels, once they can be probed (DraftingGate.chain_limit)
+    default = SpecFitPolicy(SpecFitConfig(max_depth=3))
+    assert (default.open_chain, default.max_levels) == (DEFAULT_MAX_CHAIN, MAX_CHAIN) == (10, 16)
+    assert SpecFitPolicy(SpecFitConfig(max_depth=12)).open_chain == 12
+    assert SpecFitPolicy(SpecFitConfig(max_depth=20)).max_levels == 20
+    assert policy.open_chain == policy.max_chain == 5  # a set bound ranks every chain to it from the start
     torch.set_num_threads(1)
     target = tiny_qwen3_moe(0)
     ids = torch.randint(3, 60, (1, 10), generator=torch.Generator().manual_seed(4))

@@ -36,7 +36,7 @@ class SpecFitConfig(GenerationConfig):
     Args:
         max_depth: draft levels of the tree per cycle (EAGLE-3: 7).  A policy may stop earlier;
             ``specfit``'s fixed one-child chains may go deeper, to ``policy_kwargs["max_chain"]``
-            (default: 10 or ``max_depth``, whichever is more).
+            (default: 10 or ``max_depth``, whichever is more, climbing to 16 where deeper chains pay).
         tree_top_k: branching factor of the draft tree: each expanded node gets its
             ``tree_top_k`` most likely children and the ``tree_top_k`` best nodes of a level
             (by cumulative draft probability) are expanded (EAGLE-3: 10).

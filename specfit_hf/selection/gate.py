@@ -23,7 +23,9 @@ few times is priced by its own drafting and compute, one not run yet by fits of 
 level's and a verified token's cost (linear in the levels: the guess that gets a deeper chain
 tried, whose own cycles then correct it); beyond the deepest chain priced by its own cycles,
 by that chain's price plus the fits' extra levels, since the fits' fixed part is what they get
-wrong.  The tree's tokens are its own, scaled down (never
+wrong, verifying the share of its nodes that chain did.  Chains past ``open_depth`` levels (10)
+are ranked only as a chain that leads climbs there (:meth:`DraftingGate.chain_limit`).  The tree's
+tokens are its own, scaled down (never
 up) by how much the chains' acceptance fell since its cycles ran.
 
 **Transfers at today's rate.**  Transfers are most of a step's variance and drift with
@@ -84,6 +86,7 @@ import numpy as np
 
 from .calibration import nonnegative_quadratic, nonnegative_ridge
 from .lookup import LOOKUP_CONTEXTS, LookupAcceptance
+from .options import MAX_CHAIN
 
 __all__ = [
     "LOOKUP", "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements",
@@ -202,6 +205,8 @@ class DraftingMeasurements:
     own_node_sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (extra loads, forecast)
     lookup_root_sums: tuple[float, float] = (0.0, 0.0)  # a lookup chain's root: (loads, root mean when it ran)
     call_cycle: int = 0  # cycles observed in the current call
+    deepest_led: int = 0  # the deepest chain that has led for _LEAD_CYCLES cycles (DraftingGate.chain_limit)
+    led_since: int = 0  # the cycle the current best kind took the lead
     depth_fast: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))  # [accepted, tried] per depth
     depth_slow: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
     # [new experts of depth d / the root's, chains measured] per depth d = 1.._MAX_CHAIN (decayed)
@@ -240,7 +245,7 @@ def forget_drafting() -> None:
 
 
 LOOKUP = "lookup"  # a cycle verifying a prompt-lookup chain (no draft forward; not ranked: chosen per cycle)
-_MAX_CHAIN = 16  # longest fixed chain a gate may rank (bounds SpecFitOptions.max_chain; sizes the per-depth figures)
+_MAX_CHAIN = MAX_CHAIN  # longest fixed chain a gate may rank (sizes the per-depth figures)
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
@@ -250,6 +255,7 @@ _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _START_CYCLES = 8  # a call's first cycles, whose root loads :meth:`DraftingGate.start_call` starts from
 _START_EMA = 0.1
+_LEAD_CYCLES = 16  # cycles a chain leads before chains PROBE_DEPTH deeper are ranked (DraftingGate.chain_limit)
 _RERANK = 4  # cycles plain decoding or a chain runs on without re-ranking the kinds
 _NODE_DECAY = 0.98  # per drafting cycle: the fit of what verified nodes load (~50 cycles of memory)
 _NODE_RIDGE = 1.0  # pseudo-observations pulling (a, b) toward (0, 1): a node loads what a root does
@@ -333,10 +339,13 @@ class DraftingGate:
         enabled: ``False`` always runs the adaptive ``tree``.
         kinds: the kinds ranked (:func:`chain_kinds`); ``tree`` must be one of them.
         explore_every / max_explore_every: the exploration interval and its cap.
+        open_depth: chains up to this many levels are ranked from the start; a deeper one only once a
+            chain at most :data:`PROBE_DEPTH` shorter has run as the best (:meth:`chain_limit`).
+            ``None``: every chain of ``kinds``.
     """
 
     def __init__(self, state: DraftingMeasurements, enabled: bool, kinds: list[str], explore_every: int,
-                 max_explore_every: int) -> None:
+                 max_explore_every: int, open_depth: int | None = None) -> None:
         if "tree" not in kinds:
             raise ValueError(f"the drafting gate needs the 'tree' kind among {kinds}")
         self.state = state
@@ -347,6 +356,7 @@ class DraftingGate:
         self.burst = _BURST
         self._chains = [k for k in self.kinds if k.startswith("chain:")]
         self._chain_depths = [(k, kind_depth(k)) for k in self._chains]
+        self.open_depth = _MAX_CHAIN if open_depth is None else int(open_depth)
         self._probes = [(k, probe_kind(kind_depth(k))) for k in self.kinds if k == "plain" or k in self._chains]
         chains = self._chains
         first = "chain:2" if "chain:2" in chains else chains[0] if chains else None
@@ -359,8 +369,27 @@ class DraftingGate:
 
     @property
     def chain_depths(self) -> list[tuple[str, int]]:
-        """``(kind, levels)`` of every fixed chain the gate ranks."""
-        return self._chain_depths
+        """``(kind, levels)`` of every fixed chain the gate ranks now (:meth:`chain_limit`)."""
+        limit = self.chain_limit()
+        return [(k, h) for k, h in self._chain_depths if h <= limit]
+
+    def chain_limit(self) -> int:
+        """The deepest chain ranked now: :attr:`open_depth`, or :data:`PROBE_DEPTH` beyond the deepest chain
+        that has led for :data:`_LEAD_CYCLES` cycles, whichever is more.
+
+        A chain's tokens come from the acceptance of each of its depths; past the depths that chains
+        and their probes reach, that is the deepest measured depth's rate carried on, a guess.  Up to
+        ``open_depth`` the guess is what gets a deep chain tried at all (its own cycles then correct
+        it); beyond it a chain is ranked only once a chain that can probe its depths (a probe drafts
+        ``PROBE_DEPTH`` levels more) has led for a while, so the limit follows the text: on GSM8K,
+        where a 10-level chain is often accepted whole, it climbs to 16 levels; on CNN/DM it stays.
+        (Every chain to 16 ranked from the start: host-bound twins, host time frozen, 16 prompts,
+        GSM8K 1.02-1.10x, but CNN/DM 0.93-0.98x: early cycles' acceptance priced 16-level chains that
+        then verified what a 10-level chain does, drafting 6 levels more.  Deeper chains opened by any
+        chain that led at all: Mixtral 4090 twin, GSM8K at 25 % cache, 0.92x: a lucky stretch of
+        accepted chains climbed to 15 levels, then the text changed.)
+        """
+        return max(self.open_depth, self.state.deepest_led + PROBE_DEPTH)
 
     def start_call(self) -> None:
         """A ``generate`` call starts: its first cycles load what earlier calls' first cycles did.
@@ -430,24 +459,31 @@ class DraftingGate:
             if per_level is not None:
                 root = plain + t_expert * m + drafting
                 per_novel = t_novel + t_expert * per_new
-                anchor: tuple[int, float] | None = None  # (levels, seconds): the deepest chain priced by its own cycles
-                for kind, h in self._chain_depths:
+                # (levels, seconds, share of its nodes verified): the deepest chain priced by its own cycles
+                anchor: tuple[int, float, float] | None = None
+                for kind, h in self.chain_depths:
                     if state.counts.get(kind, 0) >= _OWN_CYCLES:
                         # measured often enough: its own drafting and compute, its transfers at today's
                         # rate (the fits are linear in levels, and on a CPU host a deep chain's draft and
                         # verify cost more than that: mixtral-pcie4, GSM8K, a 10-level chain forecast at
                         # 71 ms ran at 83 ms, and the gate chose it over the faster 7-level one)
-                        out[kind] = (self._chain_tokens_at(ct, h, sums[kind][3] / sums[kind][2]), out[kind][1])
-                        anchor = (h, out[kind][1])
+                        verified = float(sums[kind][3] / sums[kind][2])
+                        out[kind] = (self._chain_tokens_at(ct, h, verified), out[kind][1])
+                        anchor = (h, out[kind][1], verified / h)
                         continue
                     # deeper tokens share more of the experts before them: each depth pays for what it adds
-                    seconds = root + h * per_level + float(novelty[h]) * per_novel
+                    seconds, tokens = root + h * per_level + float(novelty[h]) * per_novel, ct[h]
                     if anchor is not None:
                         # beyond a measured chain, only the extra levels come from the fits: their fixed
-                        # part is what the fits get wrong (a cycle's root), and the measured chain has it
-                        ah, a_seconds = anchor
+                        # part is what the fits get wrong (a cycle's root), and the measured chain has it.
+                        # Its tokens are those of the share of its nodes the measured chain verified: its
+                        # seconds were measured at that share (the verify stops before costly nodes that
+                        # are unlikely to be reached), and a deeper chain stops there too (priced whole,
+                        # on CNN/DM a 16-level chain looked a 10-level one's tokens for 6 levels' drafting)
+                        ah, a_seconds, share = anchor
                         seconds = a_seconds + (h - ah) * per_level + float(novelty[h] - novelty[ah]) * per_novel
-                    out[kind] = (ct[h], seconds)
+                        tokens = self._chain_tokens_at(ct, h, share * h)
+                    out[kind] = (tokens, seconds)
         if state.draft.t_level is not None:
             # a probe: the cycle it stands in for, plus the levels it drafts and does not verify.  A
             # probe of plain decoding drafts at all (a cycle's first level), and costs what its own
@@ -588,7 +624,9 @@ class DraftingGate:
         best chain).
         """
         rates = self.rates() if rates is None else rates
-        simple = max((k for k in self.kinds if k != "tree"), key=lambda k: (k in rates, rates.get(k, 0.0)))
+        limit = self.chain_limit()
+        simple = max((k for k in self.kinds if k != "tree" and kind_depth(k) <= limit),
+                     key=lambda k: (k in rates, rates.get(k, 0.0)))
         if "tree" not in rates or rates["tree"] <= rates.get(simple, 0.0):
             return simple
         return "tree"
@@ -619,7 +657,13 @@ class DraftingGate:
         best = self.best(rates)
         if state.current in rates and rates[best] < _SWITCH * rates[state.current]:
             best = state.current  # hysteresis: a kind within a few percent does not unseat the one running
+        if best != state.current:
+            state.led_since = state.cycle
         state.current = best
+        if (best.startswith("chain:") and kind_depth(best) > state.deepest_led
+                and state.cycle - state.led_since >= _LEAD_CYCLES):
+            state.deepest_led = kind_depth(best)  # deeper chains may be ranked now (chain_limit)
+            state.version += 1
         if state.cycle - state.explored_at >= state.interval:
             # the kind measured longest ago, discounted by how far behind it was: a kind at half
             # the best rate is re-measured a quarter as often (it would take a big change to win).

@@ -20,11 +20,12 @@ from .acceptance import AcceptanceCalibrator
 from .experts import available_predictors
 from .search import CostModel
 
-__all__ = ["DEFAULT_MAX_CHAIN", "SpecFitOptions", "parse_options"]
+__all__ = ["DEFAULT_MAX_CHAIN", "MAX_CHAIN", "SpecFitOptions", "parse_options"]
 
 OptionsT = TypeVar("OptionsT")
 
-DEFAULT_MAX_CHAIN = 10  # the gate's longest fixed chain unless the tree is deeper (SpecFitOptions.max_chain)
+DEFAULT_MAX_CHAIN = 10  # chains ranked from the start unless the tree is deeper (SpecFitOptions.max_chain)
+MAX_CHAIN = 16  # the longest fixed chain a gate may run
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,14 @@ class SpecFitOptions:
     then (:class:`~specfit_hf.selection.gate.DraftingGate`); ``False`` always runs the tree."""
 
     max_chain: int | None = None
-    """The longest fixed chain the drafting gate ranks, in draft levels, 1-16 (default: ``max_depth`` or
-    :data:`DEFAULT_MAX_CHAIN`, whichever is more); the adaptive tree still drafts at most ``max_depth``.
+    """The longest fixed chain the drafting gate ranks, in draft levels, 1-16; the adaptive tree still
+    drafts at most ``max_depth``.  Default: chains to ``max_depth`` or :data:`DEFAULT_MAX_CHAIN` levels,
+    whichever is more, are ranked from the start, and deeper ones, to :data:`MAX_CHAIN`, once the chain
+    that leads can probe their depths (:meth:`~specfit_hf.selection.gate.DraftingGate.chain_limit`).
     Where the draft accepts nearly everything and most experts are resident, a chain deeper than EAGLE-3's
     7 levels is the fastest simple choice: GSM8K's 10-token chain leads 8 of the 10 twin cells, where a
-    gate capped at 7 levels stayed at 0.92-0.95 of it (docs/acceptance)."""
+    gate capped at 7 levels stayed at 0.92-0.95 of it, and on host-bound twins a 16-token chain leads
+    (docs/acceptance)."""
 
     explore_every: int = 8
     """Cycles between two explorations of another kind of cycle (at least)."""
@@ -101,8 +105,8 @@ class SpecFitOptions:
             raise ValueError(f"policy_kwargs['max_nodes'] must be >= 1 or None, got {self.max_nodes}")
         if self.lookup_tokens < 0:
             raise ValueError(f"policy_kwargs['lookup_tokens'] must be >= 0, got {self.lookup_tokens}")
-        if self.max_chain is not None and not 1 <= self.max_chain <= 16:
-            raise ValueError(f"policy_kwargs['max_chain'] must be in [1, 16] or None, got {self.max_chain}")
+        if self.max_chain is not None and not 1 <= self.max_chain <= MAX_CHAIN:
+            raise ValueError(f"policy_kwargs['max_chain'] must be in [1, {MAX_CHAIN}] or None, got {self.max_chain}")
         if self.explore_every < 1 or self.max_explore_every < 1:
             raise ValueError("policy_kwargs['explore_every'] and ['max_explore_every'] must be >= 1")
         _check_calibrator_args(self.acceptance)

@@ -57,7 +57,7 @@ from .gate import (
 )
 from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
-from .options import DEFAULT_MAX_CHAIN, SpecFitOptions
+from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
@@ -147,8 +147,11 @@ class SpecFitPolicy(SelectionPolicy):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.max_depth = int(getattr(config, "max_depth", 7))
-        self.max_chain = (max(self.max_depth, DEFAULT_MAX_CHAIN) if self.options.max_chain is None
-                          else int(self.options.max_chain))
+        # the longest chain a cycle may run, and the longest ranked before deeper depths are measured
+        # (DraftingGate.chain_limit): by default chains climb past DEFAULT_MAX_CHAIN only where they pay
+        self.open_chain = (max(self.max_depth, DEFAULT_MAX_CHAIN) if self.options.max_chain is None
+                           else int(self.options.max_chain))
+        self.max_chain = max(self.open_chain, MAX_CHAIN) if self.options.max_chain is None else self.open_chain
         self.greedy = not bool(getattr(config, "do_sample", False))
         self.acceptance = AcceptanceModel.for_draft(None, dict(self.options.acceptance), share=False)
         self.costs: CycleCostTracker | None = None
@@ -185,7 +188,7 @@ class SpecFitPolicy(SelectionPolicy):
         drafting = drafting_measurements(ctx.experts, ctx.draft, key, opts.explore_every, opts.share_drafting)
         self.costs = CycleCostTracker(initial, drafting, opts.online_cost)
         self.gate = DraftingGate(drafting, opts.adaptive_drafting, chain_kinds(self.max_chain), opts.explore_every,
-                                 opts.max_explore_every)
+                                 opts.max_explore_every, self.open_chain)
         self.gate.start_call()
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance, key)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
