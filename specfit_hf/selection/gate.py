@@ -340,7 +340,8 @@ class DraftingGate:
         kinds: the kinds ranked (:func:`chain_kinds`); ``tree`` must be one of them.
         explore_every / max_explore_every: the exploration interval and its cap.
         open_depth: chains up to this many levels are ranked from the start; a deeper one only once a
-            chain at most :data:`PROBE_DEPTH` shorter has run as the best (:meth:`chain_limit`).
+            chain at most :data:`PROBE_DEPTH` shorter has led for :data:`_LEAD_CYCLES` cycles
+            (:meth:`chain_limit`).
             ``None``: every chain of ``kinds``.
     """
 
