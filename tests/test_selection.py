@@ -1080,6 +1080,37 @@ def test_chains_past_the_open_depth_are_ranked_only_once_a_chain_near_them_has_l
     assert DraftingGate(DraftingMeasurements(interval=8), True, kinds, 8, 64).chain_limit() >= 10
 
 
+def test_a_deep_chain_forecast_just_ahead_of_the_best_runs_until_priced_by_its_own_cycles(monkeypatch):
+    """Past ``open_depth`` a chain the fits put ahead of the best by less than the switching margin never runs on
+    their word, so their price of it is never corrected (H100 twin, GSM8K, half cache: the gate sat on 12-token
+    chains priced 5.5 ms a level beyond, where 16-token ones measured 3.3 ms a level and were 7 % faster)."""
+    from specfit_hf.selection.gate import _OWN_CYCLES, DraftingGate, DraftingMeasurements, probe_kind
+
+    state = DraftingMeasurements(interval=8)
+    kinds = ["plain", *(f"chain:{h}" for h in range(1, 9)), "tree"]
+    gate = DraftingGate(state, True, kinds, 8, 64, open_depth=4)
+    gate.observe("plain", 1, 0.004)
+    gate.observe("chain:2", 3, 0.005, nodes=2, accepted=2)
+    state.deepest_led = 4  # chain:4 has led: chains to 6 are ranked
+    rates = {"plain": 10.0, "chain:2": 60.0, "chain:4": 100.0, "chain:5": 103.0, "chain:6": 99.0, "tree": 50.0}
+    explored = gate._worth_exploring("chain:4", rates)
+    assert explored[0] == probe_kind(4) and "chain:5" in explored  # ahead, within the margin: measured
+    assert "chain:6" not in explored  # behind the best: its measurement would not unseat it
+    # within the open depth the fits' guess gets a chain tried outright; no measurement of its own is forced
+    assert not any(k.startswith("chain:") for k in gate._worth_exploring("chain:3", {"chain:3": 100.0, "chain:4": 103.0}))
+
+    monkeypatch.setattr(gate, "rates", lambda: rates)
+    state.current = "chain:4"
+    chosen = [gate.choose() for _ in range(40)]
+    assert "chain:5" in chosen
+    first = chosen.index("chain:5")
+    assert chosen[first:first + _OWN_CYCLES] == ["chain:5"] * _OWN_CYCLES  # until its own cycles price it
+    assert chosen[first + _OWN_CYCLES] == "chain:4"  # the hysteresis keeps the best on the fits' near-tie
+    for _ in range(_OWN_CYCLES):
+        gate.observe("chain:5", 6, 0.006, nodes=5, accepted=5)
+    assert "chain:5" not in gate._worth_exploring("chain:4", rates)  # priced by its own cycles now
+
+
 def test_probe_is_priced_at_its_own_cycles_when_they_cost_more_than_its_levels():
     from specfit_hf.selection.gate import PROBE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
 

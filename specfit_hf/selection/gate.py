@@ -59,13 +59,15 @@ of the best chain).
 **Exploring only what could win, within a budget.**  A plain step and one chain run first
 (they price every chain); the tree's first burst of two comes at the first exploration while
 plain decoding leads, else once the deepest chain does.  After that only what could unseat the best is measured, and as
-cheaply as it can be: the tree by a burst of its own cycles, a deeper chain by a
+cheaply as it can be: the tree by a burst of its own cycles, a deeper chain's acceptance by a
 *probe* (:func:`probe_kind`) -- a cycle of the running kind (plain or ``chain:h``) that
 drafts :data:`PROBE_DEPTH` more levels and does not verify them.  Its extra tokens are
 compared with the ones the target then commits (a match is exactly an acceptance, greedy
 or sampled), so the acceptance of the next depths is measured for a draft level's cost
 each, without a verified token's compute and expert loads.  (Shorter chains and plain
-steps are known: a chain of ``h`` levels measures every depth up to ``h``.)
+steps are known: a chain of ``h`` levels measures every depth up to ``h``.)  A chain past
+``open_depth`` that the fits rank just ahead of the best, within the switching margin, runs
+until its own cycles price it: else the fits' price of it would never be corrected.
 Explorations come every ``interval`` cycles (doubling while the best holds, up to
 ``max_explore_every``) and only while their cost, in cycles of the best kind, stays within
 :data:`_EXPLORE_BUDGET` of the cycles since the last one.  A kind within 5% of the running
@@ -681,8 +683,10 @@ class DraftingGate:
                 ratio = rates[k] / max(rates[best], 1e-12)
                 return (state.cycle - state.last_run.get(k, -1)) * ratio * ratio
 
-            kind = max(self._worth_exploring(best), key=due)
+            kind = max(self._worth_exploring(best, rates), key=due)
             burst = 1 if kind.startswith("probe:") else self.burst  # a probe measures in one cycle
+            if best.startswith("chain:") and kind.startswith("chain:"):
+                burst = max(burst, self._unpriced(kind))  # a deeper chain runs until its own cycles price it
             wait = burst * self._regret(kind, best) / _EXPLORE_BUDGET  # cycles of the best kind it costs
             if state.cycle - state.explored_at >= wait:
                 state.explored_at, state.exploring, state.explore_left = state.cycle, kind, burst - 1
@@ -741,7 +745,13 @@ class DraftingGate:
         (tokens, seconds), (best_tokens, best_seconds) = figures[kind], figures[best]
         return max(0.0, seconds / max(best_seconds, 1e-12) - tokens / max(best_tokens, 1e-12))
 
-    def _worth_exploring(self, best: str) -> list[str]:
+    def _unpriced(self, kind: str) -> int:
+        """Cycles ``kind`` still needs before it is priced by its own cycles (0 for a kind that is not a chain)."""
+        if not kind.startswith("chain:"):
+            return 0
+        return max(_OWN_CYCLES - self.state.counts.get(kind, 0), 0)
+
+    def _worth_exploring(self, best: str, rates: dict[str, float] | None = None) -> list[str]:
         """The kinds whose measurement could unseat ``best``.
 
         A chain's tokens come from the acceptance of each depth and the plain step's are 1,
@@ -750,14 +760,23 @@ class DraftingGate:
         a probe of ``best`` (:func:`probe_kind`): the same cycle drafting
         :data:`PROBE_DEPTH` more levels it does not verify, whose tokens are compared with
         the ones the target then commits -- the acceptance of each depth for a draft
-        level's cost, without the compute and expert loads of verifying it.  The tree is
-        re-measured in bursts of its own cycles, whatever runs.
+        level's cost, without the compute and expert loads of verifying it.  A probe measures
+        acceptance, not cost: a chain past ``open_depth`` that the fits rank ahead of the best
+        by less than :data:`_SWITCH` (given ``rates``) is run until priced by its own cycles
+        (:data:`_OWN_CYCLES`).  The tree is re-measured in bursts of its own cycles, whatever runs.
         """
         if best == "plain" and self._chains:
             return [PROBE, *(k for k in self.kinds if k == "tree")]
         if best.startswith("chain:"):
             h = kind_depth(best)
             deeper = [probe_kind(h)] if f"chain:{h + 1}" in self.kinds else []
+            if rates is not None and best in rates:
+                # past the open depth, a chain the fits put ahead of the best by less than the switching
+                # margin never runs on their word, so their price of it is never corrected (H100 twin,
+                # GSM8K, half cache: 12-token chains where the fits priced each deeper level 5.5 ms and
+                # 16-token chains measured 3.3 ms a level): it runs until its own cycles price it
+                deeper += [k for k, d in self.chain_depths if d > max(h, self.open_depth) and self._unpriced(k)
+                           and rates.get(k, 0.0) > rates[best]]
             return deeper + [k for k in self.kinds if k == "tree"]
         return [k for k in self.kinds if k != best]
 
