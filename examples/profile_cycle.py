@@ -9,6 +9,11 @@ dataset, each generation from a flushed expert cache; medians over the ``CycleRe
 
 The policy column is its selection after every draft level plus its learning from the previous cycle
 (``CycleRecord.policy_seconds``); "policy share" is its median share of a cycle.
+
+A second table splits the time by the kind of cycle the drafting gate chose (``CycleRecord.kind``: plain,
+``chain:h``, ``probe:h``, tree, lookup), over each generation's first ``--first-tokens`` committed tokens and over
+the rest: where a fixed chain is faster, it shows which cycles cost the difference (a generation's first cycles
+run against the prefill's experts, and accept less).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specfit_hf.bench import link_for_regime, measure_cached_step
+from specfit_hf.bench import WARMUP_TOKENS, link_for_regime, measure_cached_step
 from specfit_hf.cli import load_pair
 from specfit_hf.data import load_prompts
 from specfit_hf.generation import EAGLE3_DEFAULTS, SpecFitConfig
@@ -48,6 +53,30 @@ def profile(records: list[Any]) -> dict[str, float]:
     }
 
 
+def by_kind(generations: list[list[Any]], first_tokens: int = WARMUP_TOKENS) -> dict[str, dict[str, dict[str, float]]]:
+    """Per phase (``"first"``: the cycles until a generation has committed ``first_tokens`` tokens; ``"rest"``)
+    and cycle kind: cycles, tokens, seconds, ms per token and share of the phase's seconds.
+
+    ``generations``: one list of ``CycleRecord`` s per ``generate`` call, in order.
+    """
+    out: dict[str, dict[str, dict[str, float]]] = {"first": {}, "rest": {}}
+    for records in generations:
+        committed = 0
+        for c in records:
+            row = out["first" if committed < first_tokens else "rest"].setdefault(
+                c.kind or "unknown", {"cycles": 0, "tokens": 0, "seconds": 0.0})
+            row["cycles"] += 1
+            row["tokens"] += c.tokens_committed
+            row["seconds"] += c.cycle_seconds
+            committed += c.tokens_committed
+    for rows in out.values():
+        total = sum(r["seconds"] for r in rows.values())
+        for r in rows.values():
+            r["ms_per_token"] = 1e3 * r["seconds"] / r["tokens"] if r["tokens"] else float("nan")
+            r["share"] = r["seconds"] / total if total > 0 else float("nan")
+    return out
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--cache-fraction", type=float, default=0.5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-source-chars", type=int, default=1500)
+    p.add_argument("--first-tokens", type=int, default=WARMUP_TOKENS,
+                   help="committed tokens of each generation counted as its first phase (the kinds table)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     target, draft, tok = load_pair(None, None, "cpu")
@@ -65,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                     for r in load_prompts(ds, "test", n=args.num_prompts, max_source_chars=args.max_source_chars)]
                for ds in args.dataset}
     cached = None if args.twin else measure_cached_step(target, next(iter(prompts.values()))[0])
-    out = {}
+    out, kinds = {}, {}
     for ds, ids in prompts.items():
         runtime = offload_experts(target, device="cpu", cache_fraction=args.cache_fraction)
         timeline = None
@@ -74,17 +105,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 timeline = TwinTimeline(args.twin, target, draft).attach()
             else:
                 runtime.link = link_for_regime(args.link, runtime, cached, virtual=True)
-            records = []
+            generations = []
             for x in ids:
                 runtime.flush()
                 cfg = SpecFitConfig(policy="specfit", do_sample=False, max_new_tokens=args.max_new_tokens,
                                     return_dict_in_generate=True, **EAGLE3_DEFAULTS)
-                records += target.generate(x, assistant_model=draft, generation_config=cfg).cycles
+                generations.append(list(target.generate(x, assistant_model=draft, generation_config=cfg).cycles))
         finally:
             if timeline is not None:
                 timeline.detach()
             runtime.detach()
-        out[ds] = profile(records)
+        out[ds] = profile([c for g in generations for c in g])
+        kinds[ds] = by_kind(generations, args.first_tokens)
     clock_name = f"modeled twin {args.twin}" if args.twin else f"CPU + emulated {args.link}"
     print(f"one SpecFit cycle, {clock_name}, cache {args.cache_fraction:.0%}, medians over cycles")
     print("| dataset | cycles | cycle ms | draft ms | policy ms | verify ms | policy share | drafting cycles: "
@@ -95,6 +127,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
               f"{f['verify_ms']:.2f} | {f['policy_share']:.1%} | {f['drafting_share']:.0%}: "
               f"{f['nodes_drafted']:g} / {f['nodes_verified']:g} | {f['lookup_share']:.0%} | "
               f"{f['tokens_per_cycle']:.2f} |")
+    print(f"\ntime by cycle kind: each generation's first {args.first_tokens} tokens, then the rest")
+    print("| dataset | phase | kind | cycles | tokens | ms / token | share of the phase's time |")
+    print("|---|---|---|---|---|---|---|")
+    for ds, phases in kinds.items():
+        for phase, rows in phases.items():
+            for kind, r in sorted(rows.items(), key=lambda kv: -kv[1]["seconds"]):
+                print(f"| {ds} | {phase} | {kind} | {r['cycles']} | {r['tokens']} | {r['ms_per_token']:.2f} | "
+                      f"{r['share']:.1%} |")
     return out
 
 

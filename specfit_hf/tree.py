@@ -299,6 +299,10 @@ class CycleRecord:
             (``nan`` when the policy does not model them).
         source: what the verified nodes came from: ``"draft"`` (the draft model, or none
             verified) or ``"lookup"`` (a prompt-lookup chain).
+        kind: the kind of cycle as the policy names it
+            (:meth:`~specfit_hf.selection.SelectionPolicy.cycle_kind`; SpecFit: ``"plain"``,
+            ``"chain:h"``, ``"probe:h"``, ``"tree"`` or ``"lookup"``), so a cycle's time can be
+            traced to the gate's choice.
         row_experts / row_loads: per verified row (the root, then the nodes in block order),
             summed over layers, the distinct experts that row was the first of the block to
             route to, and the loads among them (``None`` without a runtime).  In a chain,
@@ -322,6 +326,7 @@ class CycleRecord:
     source: str = "draft"
     row_experts: tuple[int, ...] | None = None
     row_loads: tuple[int, ...] | None = None
+    kind: str = ""
 
     @property
     def policy_seconds(self) -> float:

@@ -185,6 +185,7 @@ def test_cycle_records(targets):
         assert c.tokens_accepted + 1 >= c.tokens_committed >= 1
         assert c.cycle_seconds >= c.draft_seconds + c.verify_seconds > 0
         assert c.experts_loaded is None  # no offload runtime attached
+        assert c.kind == "eagle3"  # a policy without kinds of its own names its drafting cycles after itself
     assert len(out.scores) == 12
     assert isinstance(out.past_key_values, SpecFitCache)
 
@@ -223,7 +224,34 @@ def test_autoregressive_policy_skips_drafting(targets):
     cfg = SpecFitConfig(max_new_tokens=8, do_sample=False, policy="autoregressive", return_dict_in_generate=True)
     out = target.generate(ids, assistant_model=tiny_llama(4, layers=1), generation_config=cfg)
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=8))
-    assert all(c.nodes_drafted == 0 and c.tokens_committed == 1 for c in out.cycles)
+    assert all(c.nodes_drafted == 0 and c.tokens_committed == 1 and c.kind == "plain" for c in out.cycles)
+
+
+def test_specfit_cycle_records_name_the_gates_kind(targets, monkeypatch):
+    # CycleRecord.kind is what the drafting gate chose for the cycle (or the lookup chain that replaced it),
+    # so a cycle's time can be traced to the choice
+    from specfit_hf.offload import offload_experts
+    from specfit_hf.selection.gate import DraftingGate
+
+    chosen = []
+    original = DraftingGate.choose
+
+    def choose(self):
+        chosen.append(original(self))
+        return chosen[-1]
+
+    monkeypatch.setattr(DraftingGate, "choose", choose)
+    target = targets["qwen3_moe"]
+    runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
+    try:
+        cfg = SpecFitConfig(policy="specfit", max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+        out = target.generate(prompts(1, seed=12)[0], assistant_model=tiny_llama(6, layers=1), generation_config=cfg)
+    finally:
+        runtime.detach()
+    kinds = [c.kind for c in out.cycles]
+    assert len(kinds) == len(chosen) and len(set(kinds)) >= 2
+    for kind, choice, c in zip(kinds, chosen, out.cycles):
+        assert kind in (choice, "lookup") and (kind == "plain") == (c.nodes_drafted == 0)
 
 
 def test_batch_size_above_one_is_rejected(targets):

@@ -7,10 +7,11 @@ import pytest
 from specfit_hf.tree import CycleRecord
 
 
-def _record(cycle, draft, select, observe, verify, levels=0, drafted=0, verified=0, committed=1, source="draft"):
+def _record(cycle, draft, select, observe, verify, levels=0, drafted=0, verified=0, committed=1, source="draft",
+            kind=""):
     return CycleRecord(nodes_drafted=drafted, nodes_verified=verified, tokens_accepted=committed - 1,
                        tokens_committed=committed, cycle_seconds=cycle, draft_seconds=draft, select_seconds=select,
-                       verify_seconds=verify, levels_drafted=levels, observe_seconds=observe, source=source)
+                       verify_seconds=verify, levels_drafted=levels, observe_seconds=observe, source=source, kind=kind)
 
 
 def test_profile_medians_count_learning_as_policy_time(example_module):
@@ -32,10 +33,27 @@ def test_profile_medians_count_learning_as_policy_time(example_module):
     assert f["tokens_per_cycle"] == pytest.approx(2.5)
 
 
+def test_time_by_kind_splits_each_generations_first_tokens_from_the_rest(example_module):
+    module = example_module("profile_cycle")
+    plain = dict(draft=0.0, select=0.0, observe=0.0, verify=0.01, kind="plain")
+    chain = dict(draft=0.002, select=0.0, observe=0.0, verify=0.01, levels=2, drafted=2, verified=2, kind="chain:2")
+    first = [_record(0.010, **plain), _record(0.012, committed=3, **chain), _record(0.012, committed=2, **chain)]
+    second = [_record(0.012, committed=3, **chain), _record(0.010, **plain), _record(0.020, committed=3, **chain)]
+    out = module.by_kind([first, second], first_tokens=4)
+    # the first generation reaches 4 tokens after its second cycle, the second after its second
+    assert out["first"]["plain"]["cycles"] == 2 and out["first"]["chain:2"]["cycles"] == 2
+    assert out["first"]["chain:2"]["tokens"] == 6
+    assert out["first"]["chain:2"]["ms_per_token"] == pytest.approx(24 / 6)
+    assert out["first"]["plain"]["share"] == pytest.approx(0.020 / 0.044)
+    assert set(out["rest"]) == {"chain:2"} and out["rest"]["chain:2"]["cycles"] == 2
+    assert out["rest"]["chain:2"]["tokens"] == 5 and out["rest"]["chain:2"]["share"] == pytest.approx(1.0)
+
+
 def test_profile_cycle_runs_on_a_twin(example_module, capsys):
     module = example_module("profile_cycle")
     out = module.main(["--twin", "qwen3-30b-a3b@rtx4090-pcie4", "--dataset", "gsm8k", "--num-prompts", "1",
                        "--max-new-tokens", "12"])
     f = out["gsm8k"]
     assert f["cycles"] >= 1 and f["cycle_ms"] > 0 and 0 <= f["policy_share"] < 1
-    assert "modeled twin qwen3-30b-a3b@rtx4090-pcie4" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "modeled twin qwen3-30b-a3b@rtx4090-pcie4" in printed and "time by cycle kind" in printed

@@ -305,6 +305,7 @@ def tree_speculative_decoding(
                 predicted_time=float(candidates.selection.predicted_time),
                 row_experts=row_experts,
                 row_loads=row_loads,
+                kind=policy.cycle_kind(candidates.tree),
             )
             records.append(record)
             cycle_start = clock()

@@ -84,6 +84,11 @@ class SelectionPolicy:
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: CycleRecord) -> None:
         """Called after each verification; default: nothing to learn."""
 
+    def cycle_kind(self, tree: DraftTree) -> str:
+        """The kind of the cycle that drafted ``tree`` (``CycleRecord.kind``): ``"plain"`` when nothing
+        was drafted, else the policy's name."""
+        return "plain" if len(tree) == 0 else self.name
+
 
 _REGISTRY: dict[str, type[SelectionPolicy]] = {}
 

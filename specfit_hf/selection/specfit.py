@@ -587,6 +587,10 @@ class SpecFitPolicy(SelectionPolicy):
         sel.nodes = torch.from_numpy(chosen)
         return sel
 
+    def cycle_kind(self, tree: DraftTree) -> str:
+        """The drafting gate's kind for this cycle (``"plain"`` when nothing was drafted)."""
+        return "plain" if len(tree) == 0 else self._kind
+
     # -------------------------------------------------------------- learning
     def observe(self, tree: DraftTree, selection: Selection, result: VerifyResult, record: CycleRecord) -> None:
         """Learn from the verified cycle: acceptance, cycle costs, drafting rates, routing."""
