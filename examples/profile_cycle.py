@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specfit_hf.bench import WARMUP_TOKENS, link_for_regime, measure_cached_step
+from specfit_hf.bench import WARMUP_TOKENS, link_for_regime, measure_cached_step, time_by_kind
 from specfit_hf.cli import load_pair
 from specfit_hf.data import load_prompts
 from specfit_hf.generation import EAGLE3_DEFAULTS, SpecFitConfig
@@ -54,27 +54,8 @@ def profile(records: list[Any]) -> dict[str, float]:
 
 
 def by_kind(generations: list[list[Any]], first_tokens: int = WARMUP_TOKENS) -> dict[str, dict[str, dict[str, float]]]:
-    """Per phase (``"first"``: the cycles until a generation has committed ``first_tokens`` tokens; ``"rest"``)
-    and cycle kind: cycles, tokens, seconds, ms per token and share of the phase's seconds.
-
-    ``generations``: one list of ``CycleRecord`` s per ``generate`` call, in order.
-    """
-    out: dict[str, dict[str, dict[str, float]]] = {"first": {}, "rest": {}}
-    for records in generations:
-        committed = 0
-        for c in records:
-            row = out["first" if committed < first_tokens else "rest"].setdefault(
-                c.kind or "unknown", {"cycles": 0, "tokens": 0, "seconds": 0.0})
-            row["cycles"] += 1
-            row["tokens"] += c.tokens_committed
-            row["seconds"] += c.cycle_seconds
-            committed += c.tokens_committed
-    for rows in out.values():
-        total = sum(r["seconds"] for r in rows.values())
-        for r in rows.values():
-            r["ms_per_token"] = 1e3 * r["seconds"] / r["tokens"] if r["tokens"] else float("nan")
-            r["share"] = r["seconds"] / total if total > 0 else float("nan")
-    return out
+    """:func:`specfit_hf.bench.time_by_kind` of ``generations``: one list of ``CycleRecord`` s per ``generate`` call."""
+    return time_by_kind([[(c.kind, c.tokens_committed, c.cycle_seconds) for c in g] for g in generations], first_tokens)
 
 
 @torch.inference_mode()

@@ -83,6 +83,7 @@ __all__ = [
     "tune_static",
     "run_benchmark",
     "summarize",
+    "time_by_kind",
     "host_info",
     "merge_results",
     "speedup_summary",
@@ -325,6 +326,8 @@ class PromptRun:
     warmup_tokens: float = 0.0
     cycle_shapes: list[tuple[int, int]] = field(default_factory=list)  # (levels drafted, nodes verified)
     cycle_loads: list[int] = field(default_factory=list)  # expert loads of each cycle
+    cycle_kinds: list[str] = field(default_factory=list)  # each cycle's kind (CycleRecord.kind)
+    cycle_tokens: list[int] = field(default_factory=list)  # tokens each cycle committed
 
 
 @torch.inference_mode()
@@ -440,6 +443,8 @@ def run_variant(
         measured_cycle_seconds=[c.cycle_seconds for c in cycles],
         cycle_shapes=[(c.levels_drafted, c.nodes_verified) for c in cycles],
         cycle_loads=[c.experts_loaded or 0 for c in cycles],
+        cycle_kinds=[c.kind for c in cycles],
+        cycle_tokens=[c.tokens_committed for c in cycles],
         policy_seconds=sum(c.policy_seconds for c in cycles),
         ttft_seconds=first_t - t,
         decode_seconds=end - first_t,
@@ -447,6 +452,33 @@ def run_variant(
         warmup_seconds=warmup_seconds,
         warmup_tokens=warmup_tokens,
     )
+
+
+def time_by_kind(generations: Iterable[Sequence[tuple[str, int, float]]],
+                 first_tokens: int = WARMUP_TOKENS) -> dict[str, dict[str, dict[str, float]]]:
+    """Where decoding time goes, by the kind of cycle (``CycleRecord.kind``), over each generation's start and the rest.
+
+    ``generations``: per ``generate`` call, its cycles in order as ``(kind, tokens committed, seconds)``.  Returns,
+    per phase (``"first"``: the cycles until the generation has committed ``first_tokens`` decode tokens, the phase
+    a fresh prefill leaves the expert cache cold for; ``"rest"``) and kind: ``cycles``, ``tokens``, ``seconds``,
+    ``ms_per_token`` and ``share`` (of the phase's seconds).
+    """
+    out: dict[str, dict[str, dict[str, float]]] = {"first": {}, "rest": {}}
+    for cycles in generations:
+        committed = 0
+        for kind, tokens, seconds in cycles:
+            row = out["first" if committed < first_tokens else "rest"].setdefault(
+                kind or "unknown", {"cycles": 0, "tokens": 0, "seconds": 0.0})
+            row["cycles"] += 1
+            row["tokens"] += int(tokens)
+            row["seconds"] += float(seconds)
+            committed += int(tokens)
+    for rows in out.values():
+        total = sum(r["seconds"] for r in rows.values())
+        for r in rows.values():
+            r["ms_per_token"] = 1e3 * r["seconds"] / r["tokens"] if r["tokens"] else float("nan")
+            r["share"] = r["seconds"] / total if total > 0 else float("nan")
+    return out
 
 
 def _tokens_per_second(runs: Iterable[PromptRun]) -> float:
@@ -573,6 +605,9 @@ def summarize(
                 sum(r.policy_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
             ),
             "outputs_identical_to_autoregressive": all(r.new_tokens == reference[r.prompt_index] for r in vruns),
+            # where the time goes, by the policy's kind of cycle (CycleRecord.kind), start and rest of each generation
+            "time_by_kind": time_by_kind(zip(r.cycle_kinds, r.cycle_tokens, r.measured_cycle_seconds)
+                                         for r in vruns if r.cycle_kinds),
             "generations": len(vruns),
             "first_output_tokens": min(vruns, key=lambda r: (r.run, r.prompt_index)).new_tokens,
         }

@@ -97,6 +97,29 @@ def test_summarize_speedups_and_identity():
     assert rows["eagle3"]["outputs_identical_to_autoregressive"] is False
 
 
+def test_rows_split_time_by_cycle_kind_over_each_generations_start():
+    # two generations of the same variant: the cycles until 24 decode tokens are committed are its start
+    def run(index, kinds, tokens, seconds):
+        n = len(kinds)
+        return PromptRun("specfit", index, 0, [1] * (1 + sum(tokens)), 1.0, n, 2.0, 0, 0,
+                         predicted_cycle_seconds=seconds, measured_cycle_seconds=seconds, cycle_kinds=kinds,
+                         cycle_tokens=tokens, cycle_shapes=[(0, 0)] * n, cycle_loads=[0] * n)
+
+    runs = [run(0, ["plain", "chain:2", "chain:2", "chain:2"], [1, 12, 12, 10], [0.01, 0.02, 0.02, 0.03]),
+            run(1, ["chain:2", "probe:2", "chain:2"], [12, 12, 12], [0.02, 0.04, 0.01]),
+            PromptRun("autoregressive", 0, 0, [1] * 36, 1.0, 35, 1.0, 0, 0)]
+    rows = summarize(runs, {0: [1] * 36, 1: [1] * 37})
+    split = rows["specfit"]["time_by_kind"]
+    assert set(split["first"]) == {"plain", "chain:2", "probe:2"}
+    assert split["first"]["chain:2"] == pytest.approx(
+        {"cycles": 3, "tokens": 36, "seconds": 0.06, "ms_per_token": 60 / 36, "share": 0.06 / 0.11})
+    assert split["first"]["probe:2"]["tokens"] == 12  # 12 tokens before it: still the generation's start
+    assert split["rest"] == {"chain:2": pytest.approx(
+        {"cycles": 2, "tokens": 22, "seconds": 0.04, "ms_per_token": 40 / 22, "share": 1.0})}
+    assert rows["autoregressive"]["time_by_kind"] == {"first": {}, "rest": {}}  # no cycles recorded
+    json.dumps(rows)  # results.json keeps it
+
+
 def test_mape_floors_split_routing_luck_from_the_cost_model():
     from specfit_hf.selection import mape_floors
 
