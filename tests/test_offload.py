@@ -115,6 +115,37 @@ def test_moe_layers_and_shapes():
     assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == NUM_EXPERTS
 
 
+def test_resident_masks_read_every_layers_cache_through_frozen_forwards():
+    """The layers' expert -> slot maps are rows of one table: the one-comparison residency read matches each
+    layer's own cache after loads, after a frozen (oracle) forward restores them, and after a flush."""
+    model = build_model("qwen3_moe")
+    runtime = offload_experts(model, device="cpu", slots_per_layer=NUM_EXPERTS // 2)
+
+    def per_layer():
+        return np.stack([np.isin(np.arange(NUM_EXPERTS), sorted(runtime.cached_experts(i)))
+                         for i in runtime.moe_layers])
+
+    try:
+        assert runtime._slot_table is not None
+        with torch.no_grad():
+            model(PROMPT)
+            before = runtime.resident_masks()
+            assert before.any() and np.array_equal(before, per_layer())
+            with runtime.frozen():
+                model(torch.tensor([[60, 61, 62, 63, 1, 2, 3]]))
+                assert not np.array_equal(runtime.resident_masks(), before)
+            assert np.array_equal(runtime.resident_masks(), before)
+            assert np.array_equal(per_layer(), before)
+            model(PROMPT[:, :3])
+            assert np.array_equal(runtime.resident_masks(), per_layer())
+        runtime.flush()
+        assert not runtime.resident_masks().any()
+    finally:
+        runtime.detach()
+    with pytest.raises(ValueError, match="int64 array of shape"):
+        ExpertCache(8, 4, slot_of=np.zeros(7, dtype=np.int64))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_route_matches_the_models_routing(arch):
     """route(layer, router input) reproduces the model's own top-k (biased / grouped routers too)."""

@@ -1482,3 +1482,22 @@ def test_only_the_drafts_top1_path_counts_as_a_chain():
     assert not top([1, 4])  # node 1 is not the root's most likely child
     assert not top([0, 1])  # two nodes at one depth: not a path
     assert not top([])
+
+
+def test_novelty_and_chain_tokens_interpolate_a_scalar_exactly_as_numpy_does():
+    """The gate prices chains with scalar interpolations in Python floats: bit for bit numpy's ``interp``,
+    so a scalar and the same value in an array give the same figure (decisions cannot drift between them)."""
+    from specfit_hf.selection.gate import DraftingGate, novel_at
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        novelty = np.concatenate([[0.0], np.cumsum(rng.random(16) * rng.choice([1e-3, 1.0, 1e3]))])
+        xs = np.concatenate([rng.random(20) * 20.0, np.arange(0.0, 19.0), [-0.5, 16.0, 2.0 / 3.0]])
+        from_array = novel_at(novelty, xs)
+        for x, expected in zip(xs.tolist(), from_array.tolist()):
+            assert novel_at(novelty, x) == expected
+        ct = np.cumsum(rng.random(17)).tolist()
+        depth = int(rng.integers(1, 17))
+        for x in xs.tolist():
+            clipped = min(max(x, 0.0), float(depth))
+            assert DraftingGate._chain_tokens_at(ct, depth, x) == float(np.interp(clipped, np.arange(17), ct))

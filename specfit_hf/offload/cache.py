@@ -27,7 +27,8 @@ POLICIES = ("lru", "lfu")
 
 
 class ExpertCache:
-    def __init__(self, num_experts: int, num_slots: int, policy: str = "lru") -> None:
+    def __init__(self, num_experts: int, num_slots: int, policy: str = "lru",
+                 slot_of: np.ndarray | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
         if not 1 <= num_slots <= num_experts:
@@ -35,7 +36,15 @@ class ExpertCache:
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.policy = policy
-        self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot, -1 = not resident
+        # expert -> slot, -1 = not resident; ``slot_of``: a row of a table shared by every layer's cache (the
+        # runtime then reads all layers' residents in one comparison), kept and only ever written in place
+        if slot_of is None:
+            slot_of = np.empty(num_experts, dtype=np.int64)
+        elif slot_of.shape != (num_experts,) or slot_of.dtype != np.int64:
+            raise ValueError(f"slot_of must be an int64 array of shape ({num_experts},), got {slot_of.dtype} "
+                             f"{tuple(slot_of.shape)}")
+        slot_of.fill(-1)
+        self.slot_of = slot_of
         self.expert_in_slot = np.full(num_slots, -1, dtype=np.int64)  # slot -> expert, -1 = free
         self.last_use = np.zeros(num_slots, dtype=np.int64)  # slot -> tick of last use
         self.use_count = np.zeros(num_experts, dtype=np.int64)  # expert -> forwards that used it

@@ -273,6 +273,13 @@ class OffloadRuntime:
         self._pending_events: list[tuple[TransferStats, torch.cuda.Event, torch.cuda.Event]] = []
         self._attached = True
         self._view: ExpertCacheView | None = None
+        # the caches' expert -> slot maps as rows of one table, in layer order (None if they are not)
+        rows = [layer.cache.slot_of for layer in layers]
+        base = rows[0].base
+        self._slot_table = base if (base is not None and base.ndim == 2 and base.shape[0] == len(rows)
+                                    and all(r.base is base for r in rows)
+                                    and all(np.shares_memory(r, base[i]) and r.ctypes.data == base[i].ctypes.data
+                                            for i, r in enumerate(rows))) else None
         self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
 
     @property
@@ -317,7 +324,10 @@ class OffloadRuntime:
 
     def resident_masks(self) -> np.ndarray:
         """Bool ``[L, E]`` (numpy, a copy): residents of every MoE layer's cache now, layers in ``moe_layers`` order."""
-        return np.stack([layer.cache.slot_of for layer in self._layers.values()]) >= 0
+        table = self._slot_table
+        if table is None:
+            return np.stack([layer.cache.slot_of for layer in self._layers.values()]) >= 0
+        return table >= 0
 
     def last_routing(self, layer_idx: int) -> Optional[torch.Tensor]:
         """Top-k expert ids [T, k] routed by the most recent forward at that layer (None before any)."""
@@ -384,7 +394,7 @@ class OffloadRuntime:
             self._collect_transfer_times()
             for layer, arrays, slot_copies, stats in saved:
                 for name, value in arrays.items():
-                    setattr(layer.cache, name, value)
+                    getattr(layer.cache, name)[...] = value  # in place: slot_of is a row of the shared table
                 for name, t in slot_copies.items():
                     layer.slots[name].copy_(t)
                 for f in fields(stats):
@@ -763,9 +773,12 @@ def offload_experts(
 
     # ---- apply; on any failure put everything back
     pinner = HostPinner() if target.type == "cuda" else None
+    # every layer's expert -> slot map is a row of one table: the planners' residency read is one comparison
+    slot_table = np.empty((len(found), num_experts), dtype=np.int64)
     layers = [
-        _MoELayer(idx, block, experts, router, adapter.expert_params, ExpertCache(num_experts, slots, policy))
-        for idx, block, experts, router in found
+        _MoELayer(idx, block, experts, router, adapter.expert_params,
+                  ExpertCache(num_experts, slots, policy, slot_of=slot_table[i]))
+        for i, (idx, block, experts, router) in enumerate(found)
     ]
     try:
         expert_bytes = 0

@@ -44,7 +44,7 @@ def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None =
     feature barely varies.  Rows are weighted by 1/seconds so the fit minimises relative
     error (what MAPE measures).
     """
-    rows = [tuple(float(v) for v in sample) for sample in samples]
+    rows = [tuple(map(float, sample)) for sample in samples]
     width = max((len(r) for r in rows), default=3)
     if width not in (3, 4) or any(len(r) != width for r in rows):
         raise ValueError("cost samples are (tokens, misses, seconds) or (tokens, misses, seconds, novel), all alike")

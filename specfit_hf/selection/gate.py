@@ -81,6 +81,7 @@ offload runtime with the same draft and policy settings.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 import weakref
 from dataclasses import dataclass, field
 
@@ -273,10 +274,28 @@ _CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added 
 _NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings as many new experts as depth d - 1 (the root: all)
 
 
+def _interp_unit(values: Sequence[float], x: float) -> float:
+    """``np.interp(x, range(len(values)), values)`` for one finite ``x``, in Python floats (bit-identical: numpy's
+    formula, ``slope * (x - x_j) + y_j``; a numpy call per scalar was most of a lookup cycle's pricing)."""
+    last = len(values) - 1
+    if x <= 0.0:
+        return float(values[0])
+    if x >= last:
+        return float(values[last])
+    j = int(x)
+    if x == j:
+        return float(values[j])
+    y = float(values[j])
+    return (float(values[j + 1]) - y) * (x - j) + y
+
+
 def novel_at(novelty: np.ndarray, nodes: float | np.ndarray) -> float | np.ndarray:
     """:func:`chain_novelty` at ``nodes`` (a count or an array of them; interpolated, and past the deepest
     depth each more node adds what that depth did)."""
     last = novelty.size - 1
+    if isinstance(nodes, (int, float)) and math.isfinite(nodes):
+        x = float(nodes)
+        return _interp_unit(novelty, min(x, last)) + max(x - last, 0.0) * float(novelty[last] - novelty[last - 1])
     x = np.asarray(nodes, dtype=np.float64)
     out = np.interp(np.minimum(x, last), np.arange(novelty.size), novelty)
     out = out + np.maximum(x - last, 0.0) * (novelty[last] - novelty[last - 1])
@@ -509,7 +528,7 @@ class DraftingGate:
         """Expected tokens of a ``depth``-level chain whose cycles verified ``nodes`` nodes on average
         (a drafted chain verifies the prefix its forecast says pays: :meth:`SpecFitPolicy._best_prefix`)."""
         x = min(max(float(nodes), 0.0), float(depth))
-        return float(np.interp(x, np.arange(len(ct)), ct))
+        return _interp_unit(ct, x) if math.isfinite(x) else float(np.interp(x, np.arange(len(ct)), ct))
 
     def _node_extra_loads(self, m: float) -> float:
         """Loads per root's worth of new experts in a chain's nodes at root-loads mean ``m`` (the fit ``a + b m``)."""
