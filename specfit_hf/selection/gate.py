@@ -81,8 +81,8 @@ offload runtime with the same draft and policy settings.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
