@@ -275,11 +275,10 @@ class OffloadRuntime:
         self._view: ExpertCacheView | None = None
         # the caches' expert -> slot maps as rows of one table, in layer order (None if they are not)
         rows = [layer.cache.slot_of for layer in layers]
-        base = rows[0].base
-        self._slot_table = base if (base is not None and base.ndim == 2 and base.shape[0] == len(rows)
-                                    and all(r.base is base for r in rows)
-                                    and all(np.shares_memory(r, base[i]) and r.ctypes.data == base[i].ctypes.data
-                                            for i, r in enumerate(rows))) else None
+        table = rows[0].base
+        shared = (table is not None and table.ndim == 2 and table.shape[0] == len(rows)
+                  and all(r.base is table and r.ctypes.data == table[i].ctypes.data for i, r in enumerate(rows)))
+        self._slot_table = table if shared else None
         self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
 
     @property
