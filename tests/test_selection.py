@@ -272,7 +272,10 @@ def test_specfit_generation_is_greedy_lossless_and_learns(offloaded_pair):
         cfg = SpecFitConfig(
             max_new_tokens=20, do_sample=False, max_depth=4, tree_top_k=3, policy="specfit-test-capture",
             return_dict_in_generate=True,
-            policy_kwargs={"adaptive_drafting": False, "measure_predictors": ["router", "history", "history+router"]},
+            # a fixed verification cost: whether nodes pay must not follow this host's load (measured
+            # costs on a busy machine priced every node out of these 20-token calls)
+            policy_kwargs={"adaptive_drafting": False, "measure_predictors": ["router", "history", "history+router"],
+                           "cost": CostModel(t0=0.01, t_token=0.001, t_expert=0.002), "online_cost": False},
         )
         out = target.generate(ids, assistant_model=draft, generation_config=cfg)
         assert torch.equal(out.sequences, ref)
@@ -574,10 +577,15 @@ def test_search_charges_measured_root_and_node_loads():
     assert g * costs.root_loads + 2 * b == pytest.approx(4.0, rel=0.05)  # the node's extra loads are what the fit charges it
     costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))  # (reset drops t_expert without a runtime)
     costs._models.clear()
-    model = costs.cycle_model(0, 0, root_predicted=2)
-    # the root costs its measured loads whatever the forecast predicted for it; the node its fitted extra
-    assert model.predict(1, 2) == pytest.approx(0.01 + 0.001 + 0.002 * 3.0)
-    assert model.predict(2, 4) - model.predict(1, 2) == pytest.approx(0.001 + 0.002 * 4.0, rel=0.05)
+    model = costs.cycle_model(0, 0, root_predicted=None)
+    # without a guess the root costs its measured loads; the node its fitted extra
+    assert model.predict(1, 0) == pytest.approx(0.01 + 0.001 + 0.002 * 3.0)
+    assert model.predict(2, 2) - model.predict(1, 0) == pytest.approx(0.001 + 0.002 * 4.0, rel=0.05)
+    # no cycle was guessed, so a guess of the root's misses is taken as it is (not the blind mean),
+    # and the node still costs its fitted extra on top
+    guessed = costs.cycle_model(0, 0, root_predicted=2)
+    assert guessed.predict(1, 2) == pytest.approx(0.01 + 0.001 + 0.002 * 2.0)
+    assert guessed.predict(2, 4) - guessed.predict(1, 2) == pytest.approx(0.001 + 0.002 * g * 2.0 + 0.002 * 2 * b)
 
 
 def test_the_root_is_priced_by_the_forecasts_guess_once_guessed_cycles_have_fitted_it():
@@ -587,7 +595,9 @@ def test_the_root_is_priced_by_the_forecasts_guess_once_guessed_cycles_have_fitt
     costs = policy.costs
     costs.fit = OnlineCostModel(CostModel(t0=0.01, t_token=0.001, t_expert=0.002))
     tree, sel = DraftTree(root_token=5), Selection(nodes=torch.tensor([], dtype=torch.long))
-    assert costs.expected_root_loads(4) == costs.root_loads == 0.0  # no guessed cycle yet: the running mean
+    assert costs.root_loads == 0.0
+    assert costs.expected_root_loads(4) == 4.0  # no guessed cycle yet: the guess as it is
+    assert costs.expected_root_loads(None) == 0.0  # no guess: the running mean
     for i in range(60):  # roots guessed to miss 1 loaded 2, roots guessed to miss 5 loaded 6
         guess = 1 if i % 2 else 5
         record = CycleRecord(nodes_drafted=0, nodes_verified=0, tokens_accepted=0, tokens_committed=1,
