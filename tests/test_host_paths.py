@@ -144,6 +144,29 @@ def test_nonnegative_ridge_closed_form_matches_the_normal_equations_with_bounds(
     assert clipped > 100  # the bound is exercised, not only the interior solution
 
 
+def test_decayed_ridge_fits_the_same_bits_as_numpy_normal_equations():
+    """The per-cycle loads fits keep their normal equations in floats: every update and fit gives exactly what
+    numpy's decayed 2 x 2 arrays and ``nonnegative_ridge`` gave (the policy's decisions are unchanged)."""
+    from specfit_hf.selection.calibration import DecayedRidge, nonnegative_ridge
+
+    rng = np.random.default_rng(1)
+    clipped = 0
+    for prior, ridge, decay in [((0.0, 1.0), 1.0, 0.9), ((0.3, 0.5), 0.25, 0.95)]:
+        fit = DecayedRidge(prior, ridge)
+        assert fit.fit() == prior and fit.weight == 0.0  # no data: the prior
+        xtx, xty = np.zeros((2, 2)), np.zeros(2)
+        for _ in range(300):
+            x = np.array([float(rng.uniform(0, 4)), float(rng.integers(0, 6))])
+            y = float(rng.integers(-3, 8))
+            fit.add(float(x[0]), float(x[1]), y, decay)
+            xtx, xty = decay * xtx + np.outer(x, x), decay * xty + x * y
+            expected = nonnegative_ridge(xtx, xty, np.array(prior), ridge)
+            assert fit.fit() == tuple(expected.tolist())  # bit for bit
+            assert fit.weight == xtx[0, 0]
+            clipped += int(min(fit.fit()) == 0.0)
+    assert clipped > 10  # the bound is exercised too
+
+
 def test_add_level_grows_in_place_without_changing_earlier_views():
     """Levels are written into host buffers behind the fields: a field read earlier keeps its values,
     growth past the first buffer keeps every row, and numpy inputs are taken as tensors are."""

@@ -569,19 +569,27 @@ class Eagle3DraftModel(PreTrainedModel):
         """``[N, H] -> [N, L_moe, E]`` routing logits of the learned expert heads."""
         if self.expert_heads is None:
             raise ValueError("this draft has no expert predictor (config.expert_predictor is None)")
-        hidden = hidden.to(self.fc.weight.dtype)
         heads = self.expert_heads
         if self.training or len(heads) == 1:
+            hidden = hidden.to(self.fc.weight.dtype)
             return torch.stack([head(hidden) for head in heads], dim=-2)
-        # inference runs after every draft level: one matmul over the stacked heads, stacked once
-        # (again only when a head's weights are replaced or changed in place)
-        key = tuple((h.weight.data_ptr(), _version(h.weight)) for h in heads)
-        stacked = getattr(self, "_stacked_heads", None)
+        weight, bias = self._stacked_expert_heads()
+        return F.linear(hidden.to(weight.dtype), weight, bias).unflatten(-1, (len(heads), -1))
+
+    def _stacked_expert_heads(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The heads' weights (and biases) stacked into one matrix: inference runs the heads after every
+        drafted cycle, one matmul over all of them.  Stacked again only when a head's weight is replaced
+        or changed in place (its storage or version counter moves)."""
+        # module attribute lookups go through nn.Module.__getattr__: read the parameters' dicts directly
+        # (this check runs every cycle; through getattr it cost more than the matmul)
+        params = [head._parameters for head in self.expert_heads._modules.values()]
+        key = tuple([(w.data_ptr(), _version(w)) for w in (p["weight"] for p in params)])
+        stacked = self.__dict__.get("_stacked_heads")
         if stacked is None or stacked[0] != key:
-            bias = None if heads[0].bias is None else torch.cat([h.bias for h in heads]).detach()
-            stacked = (key, torch.cat([h.weight for h in heads]).detach(), bias)
-            self._stacked_heads = stacked
-        return F.linear(hidden, stacked[1], stacked[2]).unflatten(-1, (len(heads), -1))
+            bias = None if params[0].get("bias") is None else torch.cat([p["bias"] for p in params]).detach()
+            stacked = (key, torch.cat([p["weight"] for p in params]).detach(), bias)
+            self.__dict__["_stacked_heads"] = stacked
+        return stacked[1], stacked[2]
 
     @torch.no_grad()
     def predict_experts(self, hidden: torch.Tensor, top_k: int | None = None) -> torch.LongTensor:

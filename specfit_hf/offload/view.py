@@ -61,6 +61,9 @@ class ExpertCacheView:
             return None  # another forward's rows, or layers of another row count: not one forward's
         if len(shape) != 2:
             per_layer = [t.reshape(t.shape[0], -1) for t in per_layer]
+        if per_layer[0].device.type == "cpu":  # (integer ids: never part of autograd)
+            # already on the host: one numpy stack (a copy) costs less host time than torch's stack and cast
+            return np.stack([t.numpy() for t in per_layer], axis=1).astype(np.int64, copy=False)
         # one stack and one copy to the host (a copy per layer is a device sync each, every cycle)
         return torch.stack(per_layer, dim=1).detach().to(device="cpu", dtype=torch.int64).numpy()
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..offload.view import ExpertCacheView
 from ..tree import CycleRecord, DraftTree, Selection
-from .calibration import OnlineCostModel, mape, nonnegative_ridge
+from .calibration import DecayedRidge, OnlineCostModel, mape
 from .gate import DraftCost, DraftingMeasurements, current_novelty
 from .search import CostModel
 
@@ -89,15 +89,10 @@ class CycleCostTracker:
         self.measured: list[float] = []
         self.online = online
         self._root_sums = (0.0, 0.0)  # decayed (root loads, cycles)
-        self._node_xtx = np.zeros((2, 2))  # decayed normal equations of extra loads ~ g * nodes * root + b * added
-        self._node_xty = np.zeros(2)
-        self._node_fit = np.array([0.0, 1.0])
-        self._root_xtx = np.zeros((2, 2))  # decayed normal equations of root loads ~ a_r + b_r * guess
-        self._root_xty = np.zeros(2)
-        self._root_fit: np.ndarray | None = None  # (a_r, b_r) once enough guessed cycles are in
-        self._context_xtx = np.zeros((2, 2))  # decayed normal equations of loads ~ a_c + b_c * context guess
-        self._context_xty = np.zeros(2)
-        self._context_fit = np.array([0.0, 1.0])  # before data: the guess as it is
+        # each fit starts at (0, 1): the forecast's guess as it is
+        self._node_fit = DecayedRidge(ridge=_NODE_RIDGE)  # extra loads ~ g * nodes * root + b * added
+        self._root_fit = DecayedRidge(ridge=_ROOT_RIDGE)  # root loads ~ a_r + b_r * guess
+        self._context_fit = DecayedRidge(ridge=_ROOT_RIDGE)  # loads ~ a_c + b_c * context guess
         self._models: dict[tuple[int, int, int | None], CostModel] = {}
 
     @property
@@ -135,22 +130,24 @@ class CycleCostTracker:
         """
         if guess is None:
             return self.root_loads
-        if self._root_fit is None:
+        if self._root_fit.weight < _ROOT_MIN_WEIGHT:
             return float(guess)
-        return float(self._root_fit[0] + self._root_fit[1] * guess)
+        a, b = self._root_fit.fit()
+        return float(a + b * guess)
 
     def context_loads(self, guess: int | np.ndarray) -> float | np.ndarray:
         """Experts a plain step or a lookup chain is expected to load when the routing of the text it
         repeats (:meth:`~.forecast.ExpertForecast.lookup_misses`) says ``guess`` of them are not resident
         (a count, or an array of them): ``a_c + b_c * guess``, fitted on such cycles (the guess itself
         before any)."""
-        out = self._context_fit[0] + self._context_fit[1] * np.asarray(guess, dtype=np.float64)
+        a, b = self._context_fit.fit()
+        out = a + b * np.asarray(guess, dtype=np.float64)
         return float(out) if out.ndim == 0 else out
 
     @property
     def node_loads(self) -> tuple[float, float]:
         """``(g, b)``: expected extra loads per verified node and expected root load, and per predicted added miss."""
-        return float(self._node_fit[0]), float(self._node_fit[1])
+        return self._node_fit.fit()
 
     def expected_loads(self, nodes: int, root_predicted: int | None, missing: int) -> float:
         """Expected loads of verifying the root and ``nodes`` nodes whose union the forecast says misses
@@ -201,11 +198,7 @@ class CycleCostTracker:
         seconds, draft_s, select_s = record.cycle_seconds, record.draft_seconds, record.select_seconds
         loads = record.experts_loaded
         if loads is not None and context_guess is not None:
-            x = np.array([1.0, float(context_guess)])
-            self._context_xtx = _ROOT_DECAY * self._context_xtx + np.outer(x, x)
-            self._context_xty = _ROOT_DECAY * self._context_xty + x * float(loads)
-            self._context_fit = nonnegative_ridge(self._context_xtx, self._context_xty, np.array([0.0, 1.0]),
-                                                  _ROOT_RIDGE)
+            self._context_fit.add(1.0, float(context_guess), float(loads), _ROOT_DECAY)
         if loads is not None and (root_loads is not None or not record.nodes_verified):
             # a drafting cycle whose root's share is unknown teaches nothing about loads
             root = loads if not record.nodes_verified else min(root_loads, loads)
@@ -213,17 +206,10 @@ class CycleCostTracker:
             total, cycles = self._root_sums
             self._root_sums = (_LOAD_DECAY * total + root, _LOAD_DECAY * cycles + 1.0)
             if root_guess is not None:
-                x = np.array([1.0, float(root_guess)])
-                self._root_xtx = _ROOT_DECAY * self._root_xtx + np.outer(x, x)
-                self._root_xty = _ROOT_DECAY * self._root_xty + x * float(root)
-                if self._root_xtx[0, 0] >= _ROOT_MIN_WEIGHT:
-                    self._root_fit = nonnegative_ridge(self._root_xtx, self._root_xty, np.array([0.0, 1.0]),
-                                                       _ROOT_RIDGE)
+                self._root_fit.add(1.0, float(root_guess), float(root), _ROOT_DECAY)
             if record.nodes_verified and predicted_added is not None and root_loads is not None:
-                x = np.array([float(record.nodes_verified) * expected_root, float(predicted_added)])
-                self._node_xtx = _LOAD_DECAY * self._node_xtx + np.outer(x, x)
-                self._node_xty = _LOAD_DECAY * self._node_xty + x * float(loads - root)
-                self._node_fit = nonnegative_ridge(self._node_xtx, self._node_xty, np.array([0.0, 1.0]), _NODE_RIDGE)
+                self._node_fit.add(float(record.nodes_verified) * expected_root, float(predicted_added),
+                                   float(loads - root), _LOAD_DECAY)
         if not math.isfinite(seconds) or seconds <= 0:
             return
         if tree.num_levels > 0 and tree.source == "draft":  # a level costs its draft step and the search after it

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .calibration import nonnegative_quadratic, nonnegative_ridge
+from .calibration import DecayedRidge, nonnegative_quadratic
 from .lookup import LOOKUP_CONTEXTS, LookupAcceptance
 from .options import MAX_CHAIN
 
@@ -201,9 +201,7 @@ class DraftingMeasurements:
     ranked_at: int = 0  # the cycle the kinds were last ranked
     explore_at: int = 0  # the first cycle an exploration may start (interval and budget, as last ranked)
     version: int = 0  # bumped on every change of the measurements (what derived figures are cached against)
-    node_xtx: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))  # extra loads ~ nodes * (a + b m)
-    node_xty: np.ndarray = field(default_factory=lambda: np.zeros(2))
-    node_loads: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0]))  # fitted (a, b)
+    node_fit: DecayedRidge = field(default_factory=lambda: DecayedRidge(ridge=_NODE_RIDGE))  # loads ~ nodes (a + b m)
     start_loads: float | None = None  # mean root loads of a call's first cycles (a call starts cold)
     own_node_sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (extra loads, forecast)
     lookup_root_sums: tuple[float, float] = (0.0, 0.0)  # a lookup chain's root: (loads, root mean when it ran)
@@ -219,6 +217,11 @@ class DraftingMeasurements:
     depth_context: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2, _MAX_CHAIN)))
     # (version, chain_novelty) as last computed: the gate and the cost tracker read it many times a cycle
     _novelty: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def node_loads(self) -> tuple[float, float]:
+        """Fitted ``(a, b)``: a chain node's extra loads per root's worth of new experts, ``a + b m``."""
+        return self.node_fit.fit()
 
 
 # offload runtime view -> draft model -> policy and settings -> measurements
@@ -847,11 +850,7 @@ class DraftingGate:
                                                  _NODE_DECAY * forecast + expected)
                 elif nodes:
                     # the nodes' loads beyond the root's, against the root mean when they ran
-                    x = new * np.array([1.0, state.root_loads or 0.0])
-                    state.node_xtx = _NODE_DECAY * state.node_xtx + np.outer(x, x)
-                    state.node_xty = _NODE_DECAY * state.node_xty + x * float(loads - root)
-                    state.node_loads = nonnegative_ridge(state.node_xtx, state.node_xty, np.array([0.0, 1.0]),
-                                                         _NODE_RIDGE)
+                    state.node_fit.add(new * 1.0, new * (state.root_loads or 0.0), float(loads - root), _NODE_DECAY)
                 # a lookup chain runs where the text repeats and its root's experts are resident: its
                 # root's loads are not what the ranked kinds' roots load, and are kept apart
                 if kind == LOOKUP:
