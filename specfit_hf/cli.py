@@ -220,7 +220,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from .bench import measure_cached_step
+    from .bench import frozen_heap, measure_cached_step
     from .clock import clock
     from .generation import SpecFitConfig
 
@@ -250,9 +250,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         with saved.open("rb") as f:
             import_measurements(target, draft, pickle.load(f))
     runtime.reset_stats()
-    t = clock()
-    out = target.generate(ids, assistant_model=draft, generation_config=config, streamer=streamer)
-    seconds = clock() - t
+    with frozen_heap():  # no full garbage collection (a pause over the whole model's objects) while decoding
+        t = clock()
+        out = target.generate(ids, assistant_model=draft, generation_config=config, streamer=streamer)
+        seconds = clock() - t
     if saved is not None:
         from .selection import export_measurements
 

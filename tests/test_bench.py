@@ -15,6 +15,7 @@ from specfit_hf.bench import (
     Variant,
     default_variants,
     expand_policies,
+    frozen_heap,
     lookup_variant,
     markdown_table,
     merge_results,
@@ -191,11 +192,37 @@ def test_run_benchmark_grid_and_report(pair, tmp_path):
     # every verify reloads its union, so vanilla moves at least as much as the cached variant
     assert by[("math_reasoning", 1.0, "eagle3-vanilla")]["experts_loaded_per_token"] >= \
         by[("math_reasoning", 1.0, "eagle3")]["experts_loaded_per_token"]
+    assert results["meta"]["gc_frozen_in_cells"] is True
+    import gc
+
+    assert gc.get_freeze_count() == 0  # the cells' freeze was lifted
     paths = write_report(results, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert len(data["runs"]) == len(rows)
     assert "| policy |" in paths["markdown"].read_text()
     assert paths["speedup_png"].stat().st_size > 1000
+
+
+def test_frozen_heap_keeps_loaded_objects_out_of_full_collections_and_restores_them():
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    model = [{"layer": i} for i in range(1000)]  # objects alive on entry: frozen inside
+    with frozen_heap():
+        assert gc.get_freeze_count() >= len(model)
+        garbage = []
+        garbage.append(garbage)  # a cycle made inside is still collected
+        del garbage
+        assert gc.collect() >= 1
+    assert gc.get_freeze_count() == 0  # collectable again after the cell
+    gc.freeze()  # a caller's own freeze is left as it is
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_quality_metrics():
