@@ -628,8 +628,8 @@ def frozen_heap() -> Iterator[None]:
     """Inside, the objects alive on entry are out of the garbage collector's reach (``gc.freeze``).
 
     A loaded model is hundreds of thousands of Python objects, and a full collection scans them
-    all: ~0.2 s on this project's CPU host (the tiny pair, 0.45 M tracked objects), once every few
-    thousand decoded tokens, inside whichever cycle allocates at that moment.  That is a pause no
+    all: ~0.2 s on this project's CPU host (the tiny pair, 0.45 M tracked objects), about once in
+    2,000 decoded tokens there, inside whichever cycle allocates at that moment.  That is a pause no
     policy causes, and it misprices the kind of cycle it lands in for the cycles after.  Serving
     engines freeze the heap after loading their model for the same reason.  On exit the objects are
     collectable again.  A caller that froze objects itself keeps its own arrangement (nothing is done).

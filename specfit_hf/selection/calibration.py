@@ -81,7 +81,7 @@ def nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge
 
 
 class DecayedRidge:
-    """Decayed normal equations of ``y ~ c0 x0 + c1 x1``, fitted on demand by :func:`nonnegative_ridge`.
+    """Decayed normal equations of ``y ~ c0 x0 + c1 x1``, fitted on demand as :func:`nonnegative_ridge` fits them.
 
     The loads fits learn from every cycle; kept in plain floats, an update and a fit cost a few
     microseconds where numpy's per-call overhead on 2 x 2 arrays was most of a cycle's learning.  The
