@@ -76,8 +76,16 @@ def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None =
 def nonnegative_ridge(xtx: np.ndarray, xty: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
     """argmin ``||X c - y||^2 + ridge ||c - prior||^2`` over ``c >= 0`` (two coefficients; normal equations)."""
     (a, b), (b2, d) = xtx.tolist()
-    r0, r1 = (xty + ridge * prior).tolist()
-    return np.array(nonnegative_quadratic(((a + ridge, b), (b2, d + ridge)), (r0, r1)))
+    (r0, r1), (p0, p1) = xty.tolist(), prior.tolist()
+    return np.array(_ridge_fit((a, b, b2, d), (r0, r1), float(ridge), (p0, p1)))
+
+
+def _ridge_fit(xtx: tuple[float, ...], xty: tuple[float, float], ridge: float,
+               prior: tuple[float, float]) -> list[float]:
+    """:func:`nonnegative_ridge` on plain floats (``xtx`` row-major)."""
+    a, b, c, d = xtx
+    r = (xty[0] + ridge * prior[0], xty[1] + ridge * prior[1])
+    return nonnegative_quadratic(((a + ridge, b), (c, d + ridge)), r)
 
 
 class DecayedRidge:
@@ -117,10 +125,7 @@ class DecayedRidge:
     def fit(self) -> tuple[float, float]:
         """``(c0, c1) >= 0``: least squares with the ridge toward ``prior`` (the prior itself before data)."""
         if self._fit is None:
-            a, b, c, d = self.xtx
-            ridge, (p0, p1) = self.ridge, self.prior
-            c0, c1 = nonnegative_quadratic(((a + ridge, b), (c, d + ridge)),
-                                           (self.xty[0] + ridge * p0, self.xty[1] + ridge * p1))
+            c0, c1 = _ridge_fit(self.xtx, self.xty, self.ridge, self.prior)
             self._fit = (c0, c1)
         return self._fit
 

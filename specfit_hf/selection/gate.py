@@ -850,7 +850,7 @@ class DraftingGate:
                                                  _NODE_DECAY * forecast + expected)
                 elif nodes:
                     # the nodes' loads beyond the root's, against the root mean when they ran
-                    state.node_fit.add(new * 1.0, new * (state.root_loads or 0.0), float(loads - root), _NODE_DECAY)
+                    state.node_fit.add(new, new * (state.root_loads or 0.0), float(loads - root), _NODE_DECAY)
                 # a lookup chain runs where the text repeats and its root's experts are resident: its
                 # root's loads are not what the ranked kinds' roots load, and are kept apart
                 if kind == LOOKUP:
