@@ -249,6 +249,13 @@ class Selection:
     # ``nodes`` index the cycle's prompt-lookup chain (``CycleContext.lookup``) instead of the
     # draft tree: the cycle verifies tokens copied from the context and drafts nothing.
     lookup: bool = False
+    # ``[P, 2]`` (MoE layer position, expert id) pairs to start copying to the device now, most
+    # wanted first: the experts this cycle's verify is predicted to need, copied while drafting
+    # goes on (``OffloadRuntime.prefetch``); ``None``: none.
+    prefetch: np.ndarray | None = None
+    # the same, copied during the verify instead: each layer's pairs as the layer before it starts
+    # computing (``OffloadRuntime.prefetch_ahead``); ``None``: none.
+    prefetch_ahead: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.nodes.numel())

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from .clock import advance, clock, offset
+from .features import decoder_layers
 from .offload import EmulatedLink, get_runtime
 
 __all__ = [
@@ -457,7 +458,11 @@ class TwinTimeline:
     span of the clock's real-time source, minus the real copy time of transfers inside it;
     zero inside :func:`specfit_hf.clock.simulated`) is replaced
     by its modeled time with :func:`specfit_hf.clock.advance`; transfers inside the forward
-    keep their own (virtual link) advance.
+    keep their own (virtual link) advance.  Inside a target forward the clock also moves layer by
+    layer (each decoder layer starts at its share of the forward's modeled time, estimated with one
+    token's experts and settled at the end), so copies prefetched ahead of the forward
+    (:meth:`~specfit_hf.offload.OffloadRuntime.prefetch`) overlap the layers before the one that
+    needs them as they would on the device.
 
     Attributes:
         events: counts and modeled seconds per kind (``target``, ``draft_level``, ``draft_head``,
@@ -469,12 +474,13 @@ class TwinTimeline:
         self.target = target
         self.draft = draft
         self._handles: list[Any] = []
-        self._stack: list[tuple[float, float]] = []
+        self._stack: list[list[float]] = []  # per open hooked call: [real start, copy seconds then, advanced inside]
         self._saved_link: Any = None
         self._runtime: Any = None
         self.events: dict[str, list[float]] = {"target": [0, 0.0], "draft_level": [0, 0.0], "draft_head": [0, 0.0],
                                                "expert_heads": [0, 0.0]}
         self._restore: list[tuple[Any, str]] = []  # (object, attribute) of wrapped methods
+        self._estimate = 0.0  # the current target forward's modeled seconds, as estimated at its start
         self.real_compute_seconds = 0.0
         self.copy_seconds = 0.0
 
@@ -489,6 +495,12 @@ class TwinTimeline:
         self._runtime, self._saved_link = runtime, runtime.link
         runtime.link = _MeteredLink(self.twin.emulated_link(runtime), self)
         self._hook(self.target, self._target_cost)
+        layers = decoder_layers(self.target)
+        for i, layer in enumerate(layers):
+            if i:
+                self._handles.append(layer.register_forward_pre_hook(
+                    self._layer_start(i / len(layers)), with_kwargs=True))
+        self._handles.append(self.target.register_forward_pre_hook(self._target_start, with_kwargs=True))
         if self.draft is not None:
             mid = getattr(self.draft, "midlayer", None)
             if mid is None:
@@ -546,10 +558,10 @@ class TwinTimeline:
         self._restore.append((obj, name))
 
     def _begin(self) -> None:
-        self._stack.append((_source_time(), self.copy_seconds))
+        self._stack.append([_source_time(), self.copy_seconds, 0.0])
 
     def _end(self, cost: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        start, copies_before = self._stack.pop()
+        start, copies_before, advanced = self._stack.pop()
         if self._stack:  # nested inside another modeled forward: the outer one charges it
             return
         kind, modeled = cost(args, kwargs, output)
@@ -558,7 +570,25 @@ class TwinTimeline:
         self.events[kind][0] += 1
         self.events[kind][1] += modeled
         self.real_compute_seconds += real
-        advance(modeled - real)
+        advance(modeled - real - advanced)
+
+    def _target_start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """(Runs just after :meth:`_begin` of a target forward.)  Its modeled time as estimated now."""
+        if len(self._stack) == 1:  # the target's own frame, just opened
+            tokens, past = _tokens_and_past(args, kwargs)
+            self._estimate = self.twin.target_forward_seconds(tokens, past, float(self.twin.model.top_k))
+
+    def _layer_start(self, share: float) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if len(self._stack) != 1:  # (a target layer runs only inside the target's own forward)
+                return
+            frame = self._stack[0]
+            real = _source_time() - frame[0] - (self.copy_seconds - frame[1])
+            step = share * self._estimate - real - frame[2]
+            frame[2] += step
+            advance(step)
+
+        return hook
 
     # ------------------------------------------------------------------ costs
     def _target_cost(self, args: tuple, kwargs: dict, output: Any) -> tuple[str, float]:

@@ -30,17 +30,19 @@ def test_selections_replay_exactly(replayed, setting):
     recorded = json.loads(TRACE.read_text())[setting]
     got = replayed[setting]
     assert len(got) == len(recorded)
-    drafted = lookups = 0
+    drafted = lookups = prefetched = 0
     for run, ref in zip(got, recorded):
         assert run["tokens"] == ref["tokens"]
         assert len(run["selections"]) == len(ref["selections"])
         for (*decision, e, t), (*recorded_decision, re_, rt) in zip(run["selections"], ref["selections"]):
-            assert decision == recorded_decision  # tree size, nodes, stop, nodes to expand, children, lookup
+            assert decision == recorded_decision  # tree size, nodes, stop, to expand, children, lookup, prefetch
             nodes = decision[1]
             for a, b in ((e, re_), (t, rt)):
                 assert (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
             drafted += bool(nodes)
             lookups += bool(decision[5])
+            prefetched += any(decision[6])
     assert drafted > 0  # the trace exercises the search, not only plain steps
     if setting == "default":
         assert lookups > 0  # and prompt-lookup chains
+        assert prefetched > 0  # and the chains' prefetches

@@ -636,6 +636,9 @@ class _FixedExperts:
     def predict_with_root(self, tree, nodes):
         return self.predict_root(tree), self.predict(tree, nodes)
 
+    def can_prefetch(self):
+        return False  # a view without a link: nothing to overlap copies with
+
 
 def _drafted_chain3(resident, t_expert, verify_fit=False):
     """A specfit policy whose gate has measured ``chain:3`` (every depth accepted) and picks it, over a
@@ -1511,3 +1514,42 @@ def test_novelty_and_chain_tokens_interpolate_a_scalar_exactly_as_numpy_does():
         for x in xs.tolist():
             clipped = min(max(x, 0.0), float(depth))
             assert DraftingGate._chain_tokens_at(ct, depth, x) == float(np.interp(clipped, np.arange(17), ct))
+
+
+# ---------------------------------------------------------------- prefetch while drafting
+def test_prefetch_plan_takes_likely_missing_experts_while_a_copy_hides_more_than_it_delays():
+    from specfit_hf.selection.prefetch import PrefetchHits, prefetch_plan
+
+    cached = np.zeros((2, 8), dtype=bool)
+    cached[0, 1] = True
+    # root then one node; layer 0 of the root names a resident expert (1) and one the node repeats (2)
+    rows = np.array([[[1, 2], [3, -1]],
+                     [[2, 4], [5, 6]]])
+    needed = np.array([0.9, 0.6])
+    plan, hidden = prefetch_plan(rows, needed, cached, window=np.array([1.0, 1.0]), busy=0.0, each=0.1)
+    # each pair once, the resident one never; layer by layer, each layer's likeliest first
+    assert plan.tolist() == [[0, 2], [0, 4], [1, 3], [1, 5], [1, 6]]
+    assert hidden == pytest.approx(0.1 * (0.9 + 0.6 + 0.9 + 0.6 + 0.6))
+    # a short window: the second copy would start 0.05 s before its layer is needed; at p = 0.6 hiding
+    # 0.6 x 0.05 beats delaying by 0.4 x 0.05, the third starts after it
+    plan, hidden = prefetch_plan(rows, needed, cached, window=np.array([0.15, 0.15]), busy=0.0, each=0.1)
+    assert plan.tolist() == [[0, 2], [0, 4]] and hidden == pytest.approx(0.09 + 0.03)
+    # a later layer is needed later: its copies still pay when the first layer's window is spent
+    plan, _ = prefetch_plan(rows, needed, cached, window=np.array([0.1, 0.33]), busy=0.0, each=0.1)
+    assert plan.tolist() == [[0, 2], [1, 3], [1, 5]]
+    # p = 0.6 needs a copy to start at least 0.4 of its duration before its layer is needed
+    one = rows[1:, :1]
+    assert prefetch_plan(one, needed[1:], cached[:1], window=np.array([0.035]), busy=0.0, each=0.1)[0].size == 0
+    assert prefetch_plan(one, needed[1:], cached[:1], window=np.array([0.045]), busy=0.0,
+                         each=0.1)[0].tolist() == [[0, 2]]
+    # the link still busy past the window, or nothing missing: nothing
+    assert prefetch_plan(rows, needed, cached, window=np.array([0.2, 0.2]), busy=0.3, each=0.1)[0].size == 0
+    assert prefetch_plan(rows, needed, np.ones((2, 8), dtype=bool), window=np.array([1.0, 1.0]), busy=0.0,
+                         each=0.1)[0].size == 0
+
+    hits = PrefetchHits(prior=0.5, weight=2.0, decay=1.0)
+    assert hits.rate == 0.5
+    hits.observe(8, 8)
+    assert hits.rate == pytest.approx(9 / 10)
+    hits.observe(0, 0)  # a cycle without prefetches changes nothing
+    assert hits.rate == pytest.approx(9 / 10)

@@ -231,3 +231,83 @@ def test_timeline_is_exact_on_a_simulated_clock(pair):
                                          rel=1e-9)
     finally:
         runtime.detach()
+
+
+def test_specfit_prefetches_while_drafting_on_the_twin_and_stays_lossless():
+    """On the 4090 twin (host time frozen) the shipped pair's chains copy the experts their heads guess while
+    the other levels are drafted: prefetches happen, most are used, and the output is the target's own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specfit_hf.clock import simulated
+    from specfit_hf.eagle3 import Eagle3DraftModel
+    from specfit_hf.embedded import embedded_pair
+    from specfit_hf.generation import SpecFitConfig
+
+    paths = embedded_pair()
+    if not (paths.target / "config.json").is_file() or not (paths.draft / "config.json").is_file():
+        pytest.skip("the shipped model cards are not in this checkout")
+    target = AutoModelForCausalLM.from_pretrained(paths.target).eval()
+    draft = Eagle3DraftModel.from_pretrained(paths.draft).eval()
+    tokenizer = AutoTokenizer.from_pretrained(paths.target)
+    questions = ["Tom has 3 boxes of 12 apples. He gives away 7 apples. How many apples does he have left?",
+                 "A train travels 60 miles per hour for 3 hours. How far does it travel?"]
+    prompts = [tokenizer(q, return_tensors="pt").input_ids for q in questions]
+    refs = [target.generate(ids, max_new_tokens=48, do_sample=False) for ids in prompts]
+    counts = {}
+    for prefetch in (True, False):
+        runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
+        try:
+            with TwinTimeline(RTX4090, target, draft), simulated():
+                cfg = SpecFitConfig(max_new_tokens=48, do_sample=False,
+                                    policy_kwargs={"prefetch": prefetch, "share_drafting": False,
+                                                   "share_acceptance": False})
+                for ids, ref in zip(prompts, refs):
+                    assert torch.equal(target.generate(ids, assistant_model=draft, generation_config=cfg), ref)
+            total = runtime.stats.total
+            counts[prefetch] = (total.prefetches, total.prefetches_used)
+        finally:
+            runtime.detach()
+    assert counts[False] == (0, 0)
+    issued, used = counts[True]
+    assert issued > 0 and used >= issued // 2
+
+
+def test_twin_target_layers_overlap_copies_prefetched_before_the_forward(pair):
+    """Inside a target forward the twin's clock moves layer by layer: experts prefetched just before it arrive
+    while the first layers compute, so the forward takes less than its compute plus every transfer (and
+    never less than its compute); without prefetches the forward's time is unchanged by the layer steps."""
+    import numpy as np
+
+    from specfit_hf.clock import simulated
+
+    target, draft = pair
+    twin = get_twin(RTX4090)
+    ids = torch.randint(0, 96, (1, 1), generator=torch.Generator().manual_seed(3))
+    runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
+    try:
+        with torch.inference_mode(), TwinTimeline(twin, target, draft) as timeline, simulated():
+            target(input_ids=ids)
+            routed = np.array([(p, e) for p, layer in enumerate(runtime.moe_layers)
+                               for e in np.unique(runtime.last_routing(layer).numpy()).tolist()])
+            per_miss = twin.miss_scale(runtime) * twin.expert_transfer_seconds()
+            spans = {}
+            for how in ("none", "now", "ahead"):
+                runtime.flush()
+                runtime.reset_stats()
+                before, start = timeline.events["target"][1], clock()
+                if how == "now":
+                    assert runtime.prefetch(routed) == len(routed)
+                elif how == "ahead":  # the first layer's now, each other layer's as the one before it starts
+                    runtime.prefetch_ahead(routed)
+                    assert runtime.stats.total.prefetches == np.count_nonzero(routed[:, 0] == 0)
+                target(input_ids=ids)
+                spans[how] = (clock() - start, timeline.events["target"][1] - before)
+                assert runtime.stats.total.prefetches_used == (0 if how == "none" else len(routed))
+                assert runtime.stats.total.misses == (len(routed) if how == "none" else 0)
+        span, modeled = spans["none"]
+        assert span == pytest.approx(modeled + len(routed) * per_miss, rel=1e-9)
+        for how in ("now", "ahead"):
+            span, modeled = spans[how]
+            assert modeled <= span < modeled + len(routed) * per_miss - per_miss
+    finally:
+        runtime.detach()

@@ -23,6 +23,7 @@ from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..clock import clock
+from ..offload import OffloadRuntime
 from ..selection import SelectionPolicy
 from ..tree import CycleContext, CycleRecord, DraftTree, Selection, VerifyResult, _flat_host
 from .causal_lm_drafter import CausalLMTreeDrafter
@@ -187,11 +188,14 @@ class TreeCandidateGenerator(CandidateGenerator):
         max_depth: hard cap on draft levels (the policy may stop earlier).
         device / mask_dtype: where and in which dtype the target runs.
         lookup: the context's n-gram index, when the policy takes prompt-lookup proposals.
+        runtime: the target's offload runtime, which copies the experts a selection asks to prefetch.
     """
 
     def __init__(self, drafter: Drafter, policy: SelectionPolicy, ctx: CycleContext, max_depth: int,
-                 device: torch.device | str, mask_dtype: torch.dtype, lookup: PromptLookup | None = None) -> None:
+                 device: torch.device | str, mask_dtype: torch.dtype, lookup: PromptLookup | None = None,
+                 runtime: OffloadRuntime | None = None) -> None:
         self.drafter = drafter
+        self.runtime = runtime
         self.policy = policy
         self.ctx = ctx
         self.max_depth = int(max_depth)
@@ -245,6 +249,13 @@ class TreeCandidateGenerator(CandidateGenerator):
             t = clock()
             selection = self.policy.select(tree, self.ctx)
             select_s += clock() - t
+            if self.runtime is not None:
+                # the experts the verify is predicted to need move while the next levels are drafted, or
+                # while the verify computes the layers before theirs
+                if selection.prefetch is not None:
+                    self.runtime.prefetch(selection.prefetch)
+                if selection.prefetch_ahead is not None:
+                    self.runtime.prefetch_ahead(selection.prefetch_ahead)
             if len(tree) == size_before:  # the drafter has nothing more to add
                 break
         candidates = layout_candidates(

@@ -183,7 +183,7 @@ def tree_speculative_decoding(
     ctx = CycleContext(target=model, config=config, experts=experts, draft=assistant_model, oracle_probe=oracle_probe)
     lookup = PromptLookup(max_tokens=policy.lookup_tokens) if policy.lookup_tokens else None
     candidate_generator = TreeCandidateGenerator(drafter, policy, ctx, policy.max_levels, model.device, mask_dtype,
-                                                 lookup)
+                                                 lookup, runtime)
     records: list[CycleRecord] = []
 
     # Prefill: the target reads the prompt and produces the first token (the first root).

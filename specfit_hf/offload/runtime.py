@@ -42,6 +42,17 @@ Transfers: on CUDA, copies from pinned host memory on a dedicated copy stream, o
 the compute already queued (an evicted slot may still be read) and before the compute that
 needs them, via an event.  Evicted experts are never copied back (host has the master copy).
 On CPU, a copy into the slot, optionally slowed to an ``EmulatedLink``'s speed.
+
+Prefetch (``OffloadRuntime.prefetch``): experts a planner expects the next forward to need can be
+copied while the host does other work (drafting).  On CUDA they go on the copy stream and the
+first forward that computes with one waits for its event; on an emulated link each copy
+occupies the link from when it is issued (or when the link frees up) for its emulated duration,
+and a forward that needs an expert still on the link waits until it has arrived, as does a load
+queued behind it (one copy engine).  ``OffloadRuntime.prefetch_ahead`` schedules copies for the
+next forward instead, each layer's issued as the layer before it starts, after that layer's own
+loads (so a load never waits behind a copy for a later layer).  Prefetched experts are resident
+at once for the cache's bookkeeping (evicting by the cache policy); they are counted as
+prefetches, not misses.
 """
 
 from __future__ import annotations
@@ -57,11 +68,12 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
 
+from specfit_hf.clock import advance, clock
 from specfit_hf.features import decoder_layers
 
 from .adapters import MoEAdapter, adapter_for
 from .cache import POLICIES, ExpertCache
-from .link import EmulatedLink
+from .link import EmulatedLink, wait_until
 from .pinning import HostPinner
 from .stats import OffloadStats, TransferStats
 from .view import ExpertCacheView
@@ -112,6 +124,10 @@ class _MoELayer:
         # Set by a multi-wave pre_forward for post_forward: (partial output [T, H], rows of the last wave).
         self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.state_dict_hook = None  # handle of the hook that puts the full experts in state_dict()
+        # prefetched slots not used yet: when their copy ends on the emulated link's clock (-inf: none), and
+        # on CUDA the copy stream's event to wait for
+        self.ready_at = np.full(cache.num_slots, -np.inf)
+        self.ready_events: dict[int, torch.cuda.Event] = {}
 
 
 def _experts_compute(layer: _MoELayer, hidden: torch.Tensor, slot_ids: torch.Tensor,
@@ -215,7 +231,10 @@ class _OffloadHook(ModelHook):
 
     def pre_forward(self, module: nn.Module, *args, **kwargs):
         hidden, top_k_index, top_k_weights = _split_experts_args(args, kwargs)
-        return self.runtime._prepare(self.layer, hidden, top_k_index, top_k_weights), {}
+        prepared = self.runtime._prepare(self.layer, hidden, top_k_index, top_k_weights)
+        if self.runtime._ahead:  # this layer's own loads are queued: the next layer's guesses follow them
+            self.runtime._copy_next(self.layer)
+        return prepared, {}
 
     def post_forward(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
         pending = self.layer.pending
@@ -280,6 +299,13 @@ class OffloadRuntime:
                   and all(r.base is table and r.ctypes.data == table[i].ctypes.data for i, r in enumerate(rows)))
         self._slot_table = table if shared else None
         self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
+        # the emulated link's queue: when (clock()) its last prefetch ends, and the latest such end
+        # while any prefetched slot is unused (forwards skip the per-slot check after it)
+        self._link_free = -np.inf
+        self._prefetch_pending = False
+        # prefetch_ahead's schedule for the next forward: layer position -> experts, and each layer's position
+        self._ahead: dict[int, np.ndarray] = {}
+        self._position = {layer.layer_idx: i for i, layer in enumerate(layers)}
 
     @property
     def pinned_bytes(self) -> int:
@@ -358,10 +384,149 @@ class OffloadRuntime:
         flat = hidden.reshape(-1, hidden.shape[-1]).to(device=weight.device, dtype=weight.dtype)
         return router(flat)[2]
 
+    def prefetch(self, experts: np.ndarray) -> int:
+        """Start copying ``experts`` in, ahead of the forward that will need them; returns how many were copied.
+
+        ``experts``: ``[P, 2]`` int pairs (position of the layer in :attr:`moe_layers`, expert id) in the
+        order to copy them.  Experts already resident are skipped, and at most a layer's slot count
+        is taken per layer.  The experts are resident at once (each evicts by the cache policy, never
+        another of this call's experts); the copies overlap whatever the host does next: on CUDA
+        they run on the copy stream, on an emulated link they occupy the link for their duration
+        from now (after the copies already queued), and the first forward to compute with one
+        waits for it (:meth:`_prepare`).  Without a link on the CPU the copy is done here.
+        """
+        pairs = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
+        if pairs.shape[0] == 0:
+            return 0
+        layers = list(self._layers.values())
+        if pairs[:, 0].min() < 0 or pairs[:, 0].max() >= len(layers):
+            raise ValueError(f"prefetch layer positions must be in [0, {len(layers)}), got {pairs[:, 0].tolist()}")
+        if pairs[:, 1].min() < 0 or pairs[:, 1].max() >= self.num_experts:
+            raise ValueError(f"prefetch expert ids must be in [0, {self.num_experts}), got {pairs[:, 1].tolist()}")
+        self._tick += 1
+        issued = 0
+        order = np.argsort(pairs[:, 0], kind="stable")  # layer by layer, each layer's experts in the given order
+        for position in np.unique(pairs[:, 0]).tolist():
+            layer = layers[position]
+            wanted = pairs[order][pairs[order][:, 0] == position, 1]
+            wanted = wanted[np.sort(np.unique(wanted, return_index=True)[1])]  # first mention wins
+            wanted = wanted[layer.cache.slot_of[wanted] < 0][: layer.cache.num_slots]
+            if wanted.size == 0:
+                continue
+            _, load_experts, load_slots = layer.cache.assign(np.sort(wanted), self._tick)
+            by_slot = dict(zip(load_experts.tolist(), load_slots.tolist()))
+            slots = np.array([by_slot[e] for e in wanted.tolist()], dtype=np.int64)
+            self._copy_ahead(layer, wanted, slots)
+            issued += int(wanted.size)
+        return issued
+
+    def prefetch_ahead(self, experts: np.ndarray) -> None:
+        """Copy ``experts`` (``[P, 2]`` pairs as in :meth:`prefetch`) during the next forward, each layer's as the
+        layer before it starts computing (after that layer's own loads), so a load the next forward needs
+        never waits behind a copy for a later layer.  Pairs of the first MoE layer are copied now.
+        Replaces any schedule not yet used.
+        """
+        pairs = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
+        self._ahead = {}
+        if pairs.shape[0] == 0:
+            return
+        first = pairs[:, 0] == 0
+        if first.any():
+            self.prefetch(pairs[first])
+        for position in np.unique(pairs[~first, 0]).tolist():
+            if not 0 < position < len(self._layers):
+                raise ValueError(f"prefetch layer positions must be in [0, {len(self._layers)}), got {position}")
+            self._ahead[position] = pairs[pairs[:, 0] == position]
+
+    def _copy_next(self, layer: _MoELayer) -> None:
+        """A forward reached ``layer``: start the copies scheduled for the next MoE layer."""
+        pairs = self._ahead.pop(self._position[layer.layer_idx] + 1, None)
+        if pairs is not None:
+            self.prefetch(pairs)
+
+    def _copy_ahead(self, layer: _MoELayer, experts: np.ndarray, slots: np.ndarray) -> None:
+        """The copies of :meth:`prefetch` for one layer (slots already assigned)."""
+        n = int(experts.size)
+        nbytes = n * self.expert_bytes
+        for stats in (layer.stats, self._stats.total):
+            stats.prefetches += n
+            stats.bytes_h2d += nbytes
+        names = layer.param_names
+        pairs = [(layer.slots[name][s], layer.host[name][e])
+                 for e, s in zip(experts.tolist(), slots.tolist()) for name in names]
+        if self.link is None and self._copy_stream is not None:
+            compute, copy = torch.cuda.current_stream(self.device), self._copy_stream
+            copy.wait_stream(compute)  # an evicted slot may still be read by queued compute
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(copy):
+                start.record(copy)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                end.record(copy)
+            for s in slots.tolist():
+                layer.ready_events[s] = end
+            self._pending_events.append((layer.stats, start, end))
+            self._prefetch_pending = True
+            return
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        if self.link is None:  # nothing to overlap with: the copy is done
+            return
+        each = self.link.transfer_seconds(self.expert_bytes)
+        ends = max(clock(), self._link_free) + each * np.arange(1, n + 1)
+        layer.ready_at[slots] = ends
+        self._link_free = float(ends[-1])
+        self._prefetch_pending = True
+        self._add_seconds(layer.stats, each * n)
+
+    def _wait(self, until: float, layer_stats: TransferStats) -> None:
+        """Wait (on the emulated link's terms) until ``clock()`` reaches ``until``."""
+        now = clock()
+        if until <= now or self.link is None:  # (no emulated timeline: CUDA orders copies by events)
+            return
+        if self.link is not None and self.link.virtual:
+            advance(until - now)
+        else:
+            wait_until(time.perf_counter() + (until - now))
+        layer_stats.wait_seconds += until - now
+        self._stats.total.wait_seconds += until - now
+
+    def _arrivals(self, layer: _MoELayer, slots: np.ndarray, load_slots: np.ndarray) -> None:
+        """Before a forward computes with ``slots``: count the prefetched ones it uses and wait for any
+        still on their way.  ``load_slots``: the slots this forward loads into (a prefetched expert there
+        was evicted unused)."""
+        if load_slots.size:
+            layer.ready_at[load_slots] = -np.inf
+            for s in load_slots.tolist():
+                layer.ready_events.pop(s, None)
+        if layer.ready_events:
+            compute = torch.cuda.current_stream(self.device)
+            for s in slots.tolist():
+                event = layer.ready_events.pop(s, None)
+                if event is not None:
+                    compute.wait_event(event)
+                    layer.stats.prefetches_used += 1
+                    self._stats.total.prefetches_used += 1
+            return
+        ready = layer.ready_at[slots]
+        arrived = ready > -np.inf
+        if not arrived.any():
+            return
+        used = int(np.count_nonzero(arrived))
+        layer.stats.prefetches_used += used
+        self._stats.total.prefetches_used += used
+        self._wait(float(ready.max()), layer.stats)
+        layer.ready_at[slots] = -np.inf
+
     def flush(self) -> None:
         """Drop every resident expert of every layer: the next use of any expert misses."""
         for layer in self._layers.values():
             layer.cache.flush()
+            layer.ready_at.fill(-np.inf)
+            layer.ready_events.clear()
+        self._prefetch_pending = False
+        self._ahead = {}
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
@@ -383,15 +548,18 @@ class OffloadRuntime:
                 {name: getattr(cache, name).copy() for name in ("slot_of", "expert_in_slot", "last_use", "use_count")},
                 {name: t.clone() for name, t in layer.slots.items()},
                 layer.stats.copy(),
+                layer.ready_at.copy(),
             ))
         total = self._stats.total.copy()
         first_uses = (self.first_uses.copy(), self.first_use_loads.copy())
+        ahead, self._ahead = self._ahead, {}  # the schedule is the next real forward's
         self.link = None
         try:
             yield
         finally:
             self._collect_transfer_times()
-            for layer, arrays, slot_copies, stats in saved:
+            for layer, arrays, slot_copies, stats, ready_at in saved:
+                layer.ready_at[...] = ready_at
                 for name, value in arrays.items():
                     getattr(layer.cache, name)[...] = value  # in place: slot_of is a row of the shared table
                 for name, t in slot_copies.items():
@@ -400,7 +568,7 @@ class OffloadRuntime:
                     setattr(layer.stats, f.name, getattr(stats, f.name))
             for f in fields(total):
                 setattr(self._stats.total, f.name, getattr(total, f.name))
-            self.link, self._tick = saved_link, saved_tick
+            self.link, self._tick, self._ahead = saved_link, saved_tick, ahead
             self.first_uses, self.first_use_loads = first_uses
 
     def detach(self) -> None:
@@ -458,6 +626,8 @@ class OffloadRuntime:
             slots, load_experts, load_slots = cache.assign(needed, tick)
             loaded_rows = None if first_row is None else first_row[np.searchsorted(needed, load_experts)]
             self._count(layer, num_needed - len(load_experts), len(load_experts), first_row, loaded_rows)
+            if self._prefetch_pending:
+                self._arrivals(layer, slots, load_slots)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
             if not _in_id_order(slots):
@@ -496,6 +666,8 @@ class OffloadRuntime:
         for wave_no, positions in enumerate(waves):
             positions = np.sort(positions)  # ascending expert id inside the wave
             slots, load_experts, load_slots = cache.assign(needed[positions], tick)
+            if self._prefetch_pending:
+                self._arrivals(layer, slots, load_slots)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
             if not _in_id_order(slots):
@@ -549,6 +721,7 @@ class OffloadRuntime:
             for e, s in zip(experts.tolist(), slots.tolist())
         ]
         if self.link is not None:
+            self._wait(self._link_free, layer.stats)  # one copy engine: behind the prefetches still on the link
             seconds = sum(self.link.copy(pairs, self.expert_bytes) for pairs in pairs_per_expert)
             self._add_seconds(layer.stats, seconds)
         elif self._copy_stream is not None:

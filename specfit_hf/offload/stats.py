@@ -22,6 +22,9 @@ class TransferStats:
     forwards: int = 0
     multi_wave_forwards: int = 0  # forwards that routed to more distinct experts than slots
     first_row_misses: int = 0  # of the misses, those the forward's first row routed to (its root)
+    prefetches: int = 0  # experts copied ahead of use (``OffloadRuntime.prefetch``): not misses, in bytes_h2d
+    prefetches_used: int = 0  # of those, the ones a forward routed to before they were evicted
+    wait_seconds: float = 0.0  # forwards and loads waiting for prefetches still on the link
 
     @property
     def hit_rate(self) -> float:

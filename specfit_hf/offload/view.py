@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specfit_hf.clock import clock
+
 if TYPE_CHECKING:
     from .runtime import OffloadRuntime
 
@@ -94,6 +96,20 @@ class ExpertCacheView:
         """
         runtime = self._runtime
         return runtime.first_uses.copy(), runtime.first_use_loads.copy()
+
+    def can_prefetch(self) -> bool:
+        """Whether a prefetch overlaps other work: an emulated link (its own clock) or a CUDA copy stream."""
+        runtime = self._runtime
+        return runtime.link is not None or runtime._copy_stream is not None
+
+    def link_busy_seconds(self) -> float:
+        """Seconds until the emulated link has finished the prefetches queued on it (0 when idle or unknown)."""
+        return max(0.0, float(self._runtime._link_free) - clock())
+
+    def prefetches(self) -> tuple[int, int]:
+        """Experts prefetched so far, and of those the ones a forward used: cycles difference them."""
+        total = self._runtime.stats.total
+        return int(total.prefetches), int(total.prefetches_used)
 
     def transfer_seconds(self) -> float | None:
         """Seconds one expert load takes on the emulated link, or ``None`` without one."""

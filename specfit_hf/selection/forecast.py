@@ -214,6 +214,15 @@ class ExpertForecast:
             pred.nodes[need] = first
             pred.done[need] = True
 
+    def assume_resident(self, pairs: np.ndarray) -> None:
+        """The cycle's forecast counts these ``[P, 2]`` (layer position, expert) pairs resident: they are being
+        prefetched.  Call after the cycle's first prediction and before its misses are counted."""
+        pred = self.current
+        if pred is None or pred.cached is None:
+            return
+        pred.cached[pairs[:, 0], pairs[:, 1]] = True
+        pred.root_missing, pred.chain = None, None
+
     def root_missing(self, tree: DraftTree) -> int:
         """Predicted misses of verifying the root alone, against the cycle's residents."""
         root = self.root(tree)

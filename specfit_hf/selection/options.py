@@ -95,6 +95,12 @@ class SpecFitOptions:
     (a plain step or a chain of 1-2 levels) when its predicted rate is higher
     (:mod:`~specfit_hf.selection.lookup`)."""
 
+    prefetch: bool = True
+    """Copy the experts a chain's verify is predicted to need while its levels are drafted: once the
+    first level is drafted, the draft's guess of the root's and first node's experts is copied in
+    over the otherwise idle link (:mod:`~specfit_hf.selection.prefetch`).  Needs an offload
+    runtime with a CUDA copy stream or an emulated link, and a draft with expert heads."""
+
     def __post_init__(self) -> None:
         if isinstance(self.cost, Mapping):
             object.__setattr__(self, "cost", _cost_model(self.cost))

@@ -59,6 +59,7 @@ from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
+from .prefetch import PrefetchHits, prefetch_plan
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
@@ -170,6 +171,8 @@ class SpecFitPolicy(SelectionPolicy):
         self._proposal: LookupProposal | None = None  # this cycle's prompt-lookup proposal
         self._context: int | None = None  # its class (lookup_context): the chains' acceptance is kept per class
         self._shadow_context: int | None = None  # the class of the cycle a probe's shadow started in
+        self.prefetch_hits = PrefetchHits()
+        self._prefetch_counts = (0, 0)  # the runtime's (prefetches, used) when last observed
 
     # -------------------------------------------------------------- lifecycle
     def reset(self, ctx: CycleContext) -> None:
@@ -195,6 +198,8 @@ class SpecFitPolicy(SelectionPolicy):
         self.forecast = ExpertForecast(predictor, ctx.experts)
         if self.lookup_tokens:  # the prefill's routing: where repeats will route (read by lookup proposals only)
             self.forecast.start_context(ctx.prefix_len)
+        if self._prefetching():
+            self._prefetch_counts = ctx.experts.prefetches()
         self._shadow, self._shadow_depth = [], 0
 
     @property
@@ -250,7 +255,13 @@ class SpecFitPolicy(SelectionPolicy):
         """
         n = len(tree)
         nodes = _prefix(n)
-        if tree.num_levels < min(depth, self.max_chain) and n == tree.num_levels:
+        levels = min(depth, self.max_chain)
+        if tree.num_levels < levels and n == tree.num_levels:
+            if n == 1 and levels >= 2 and self._prefetching():  # the other levels draft while guessed experts move
+                draft = self.gate.state.draft
+                drafting = None if draft.t_level is None else (levels - 1) * (draft.t_level + draft.t_node)
+                return Selection(nodes=nodes, stop=False, expand=_last(n), children=1, levels=levels - 1,
+                                 prefetch=self._prefetch(tree, levels, drafting)[0])
             return Selection(nodes=nodes, stop=False, expand=_last(n), children=1)
         figures = self.gate.ranked_figures().get(self._kind)
         missing = self._chain_missing(tree)  # read once: the forecast and the prefix search both price with it
@@ -261,8 +272,15 @@ class SpecFitPolicy(SelectionPolicy):
             nodes = _prefix(h)
         else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
+        ahead = None
+        if self._prefetching():  # the verified prefix's guessed experts move while the verify's layers compute
+            verify = self.costs.model
+            ahead, hidden = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
+                                           layer_by_layer=True)
+            seconds = max(seconds - hidden, 1e-9)
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
-                         throughput=math.inf if seconds == 0 else expected / seconds, stop=True)
+                         throughput=math.inf if seconds == 0 else expected / seconds, stop=True,
+                         prefetch_ahead=ahead)
 
     def _best_prefix(self, tree: DraftTree, n: int, expected: float, seconds: float,
                      missing: np.ndarray | None) -> tuple[int, float, float]:
@@ -298,6 +316,53 @@ class SpecFitPolicy(SelectionPolicy):
             if t > 0 and e * best[2] > best[1] * t:
                 best = (h, e, t)
         return best
+
+    def _prefetching(self) -> bool:
+        """Whether chains prefetch: a chain of two or more levels drafts its first level alone, to copy the experts
+        the draft then guesses for the root and the first node while the other levels are drafted, and every
+        chain copies its verified prefix's guessed experts as the verify starts.
+
+        One stop while drafting: a second one half-way (the other nodes' guesses) gained 0.4 % more on the
+        twins with host time frozen, and its heads call and plan cost about that much host time on the CPU.
+        """
+        view = self.forecast.experts
+        return (self.options.prefetch and self.forecast.predictor is not None and view is not None
+                and view.can_prefetch())
+
+    def _prefetch(self, tree: DraftTree, verified: int, seconds: float | None,
+                  layer_by_layer: bool = False) -> tuple[np.ndarray | None, float]:
+        """The experts of a chain's root and first ``verified`` nodes worth copying ahead of the verify, and the
+        transfer seconds they should hide: ``(None, 0)`` when none is.
+
+        Their predicted experts that are not resident, each needed with the prefetches' measured hit rate
+        (a node's also times the chance it is reached), taken while a copy is predicted to hide more
+        than it delays (:func:`~.prefetch.prefetch_plan`).  ``seconds``: the drafting still to come before
+        the verify, the copies starting now (``None``: not known yet); with ``layer_by_layer``, the
+        verify's compute, each layer's copies starting as the layer before it starts (one layer's share
+        of it to arrive).  The cycle's forecast then counts them resident.
+        """
+        predicted = self.forecast.nodes(tree, np.arange(len(tree)))
+        if predicted is None or seconds is None:
+            return None, 0.0
+        nodes, root = predicted
+        view = self.forecast.experts
+        each = view.transfer_seconds() or self.costs.t_expert
+        layers = root.shape[0]
+        if layer_by_layer:
+            window = np.full(layers, seconds / layers)
+            window[0] = 0.0  # the first layer's copies would start with the verify itself
+        else:
+            window = np.full(layers, seconds)
+        depths = self.gate.depth_acceptance()  # a chain's nodes are reached with the chains' per-depth rates
+        reach = self.acceptance.path(tree)[:verified] if depths is None else np.cumprod(depths[:verified])
+        needed = self.prefetch_hits.rate * np.concatenate(([1.0], reach))
+        pairs, hidden = prefetch_plan(np.concatenate([root[None], nodes[:verified]]), needed, self.forecast.cached,
+                                      window, 0.0 if layer_by_layer else view.link_busy_seconds(), each,
+                                      layer_by_layer)
+        if pairs.size == 0:
+            return None, 0.0
+        self.forecast.assume_resident(pairs)
+        return pairs, hidden
 
     def _chain_missing(self, tree: DraftTree) -> np.ndarray | None:
         """The forecast's misses of the root plus each prefix of ``tree`` if it is a chain, else ``None``."""
@@ -422,7 +487,8 @@ class SpecFitPolicy(SelectionPolicy):
         """
         kind = self._kind
         if kind.startswith("chain:"):
-            return max(1, min(kind_depth(kind), self.max_chain))
+            levels = max(1, min(kind_depth(kind), self.max_chain))
+            return 1 if levels >= 2 and self._prefetching() else levels
         if kind.startswith("probe:"):
             return max(1, min(kind_depth(kind) + PROBE_DEPTH, self.max_chain))
         return 1
@@ -610,6 +676,10 @@ class SpecFitPolicy(SelectionPolicy):
             added = None if predicted is None else predicted - self.forecast.root_missing(tree)
             self.forecast.observe(tree, selection)  # the predictor learns the verified routing
         root_loads = record.root_experts_loaded  # what a plain step would have loaded in this cycle's place
+        if self._prefetching():
+            counts = self.forecast.experts.prefetches()
+            self.prefetch_hits.observe(counts[0] - self._prefetch_counts[0], counts[1] - self._prefetch_counts[1])
+            self._prefetch_counts = counts
         self.costs.observe(tree, selection, record, added, root_loads, self._root_guess, self._context_guess)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,

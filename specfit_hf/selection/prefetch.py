@@ -1,0 +1,89 @@
+"""Which predicted experts to copy in ahead of the verify that needs them, while the link is idle.
+
+A chain cycle drafts its levels, then verifies them in one target forward, and every expert
+that forward needs and the device cache lacks is copied over the host link on its critical
+path.  Drafting leaves the link idle.  Once the first level is drafted the draft's expert
+heads guess the root's experts (and the first node's), so those that are not resident can
+be copied while the other levels are drafted (``Selection.prefetch``, carried out by
+:meth:`~specfit_hf.offload.OffloadRuntime.prefetch`).
+
+When the chain is drafted, the guesses of all its nodes are known, and the verify itself needs
+layer ``l``'s experts only after computing the layers before it: the experts guessed for the
+verified prefix that are still missing are copied as the verify starts, while its first layers
+compute.  A copy started ``x`` seconds before its layer needs it hides ``min(x, d)`` of its
+duration ``d`` if the verify needs that expert (probability ``p``) and, if it does not, makes the
+verify's own loads wait ``max(0, d - x)`` behind it on the link: :func:`prefetch_plan` takes the
+predicted experts while ``p min(x, d) > (1 - p) max(0, d - x)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["PrefetchHits", "prefetch_plan"]
+
+
+def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, window: np.ndarray, busy: float,
+                  each: float, layer_by_layer: bool = False) -> tuple[np.ndarray, float]:
+    """The ``[P, 2]`` (layer position, expert) pairs worth copying now, in copy order, and the seconds of
+    transfers they are expected to take off the verify's path.
+
+    The link copies in order, layer by layer (:meth:`~specfit_hf.offload.OffloadRuntime.prefetch`):
+    each layer's candidates, most likely first, are taken while their copy is predicted to hide more
+    than it delays (``p min(x, d) > (1 - p) max(0, d - x)``, ``x`` the seconds between the copy's
+    start and its layer's need).
+
+    Args:
+        rows: ``[R, L, k]`` predicted experts of the verify block's rows (the root first; -1: none).
+        needed: ``[R]`` the probability that each row's predicted experts are used by the verify.
+        cached: ``[L, E]`` residents (their experts are never copied).
+        window: ``[L]`` seconds from now until the verify needs each layer's experts.
+        busy: seconds until the link has finished what is already queued on it.
+        each: seconds one expert's copy takes.
+        layer_by_layer: each layer's copies start when its ``window`` opens, on an idle link
+            (:meth:`~specfit_hf.offload.OffloadRuntime.prefetch_ahead`): ``window`` is then each
+            layer's time from the start of its copies to its need.
+    """
+    # each missing (layer, expert) once, with the probability of the likeliest row naming it
+    best: dict[tuple[int, int], float] = {}
+    for row, p in zip(rows, needed.tolist()):
+        layers, ranks = np.nonzero(row >= 0)
+        experts = row[layers, ranks]
+        missing = ~cached[layers, experts]
+        for pair in zip(layers[missing].tolist(), experts[missing].tolist()):
+            if best.get(pair, -1.0) < p:
+                best[pair] = p
+    taken: list[tuple[int, int]] = []
+    hidden, start = 0.0, busy  # start: when the next copy would start, from now
+    if each > 0:
+        limits = window.tolist()
+        # a few dozen candidates: host loops cost less than array calls here (this runs every chain cycle)
+        current = -1
+        for (layer, expert), p in sorted(best.items(), key=lambda item: (item[0][0], -item[1])):
+            if layer_by_layer and layer != current:
+                current, start = layer, 0.0
+            ahead = limits[layer] - start
+            if p * min(ahead, each) > (1.0 - p) * max(0.0, each - ahead):
+                taken.append((layer, expert))
+                hidden += p * min(ahead, each)
+                start += each
+    return np.array(taken, dtype=np.int64).reshape(-1, 2), hidden
+
+
+class PrefetchHits:
+    """The share of prefetched experts a forward used, decayed over cycles (a prior of ``prior`` worth
+    ``weight`` copies).  The heads' guess of a row's experts is the ``p`` of :func:`prefetch_plan`."""
+
+    def __init__(self, prior: float = 0.7, weight: float = 8.0, decay: float = 0.98) -> None:
+        self.copies, self.used, self.decay = float(weight), float(prior * weight), float(decay)
+
+    @property
+    def rate(self) -> float:
+        """Used prefetches per prefetch."""
+        return min(1.0, self.used / self.copies)
+
+    def observe(self, copies: int, used: int) -> None:
+        """A cycle's new prefetches and the prefetched experts its forward used."""
+        if copies or used:
+            self.copies = self.decay * self.copies + copies
+            self.used = self.decay * self.used + used
