@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -872,75 +873,75 @@ def _routed(runtime) -> np.ndarray:
     return np.array(pairs, dtype=np.int64)
 
 
+@contextmanager
+def _behind_a_link():
+    """A tiny Qwen3-MoE with one token's worth of slots per layer behind a 1 GB/s virtual link, host time frozen:
+    yields (model, runtime, seconds per expert copy, the experts its one-token forward of ``PROMPT[:, :1]``
+    routes to), the cache flushed and the counters zero."""
+    from specfit_hf.clock import simulated
+
+    model = build_model("qwen3_moe", seed=5)
+    link = EmulatedLink(gbps=1.0, virtual=True)
+    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K, link=link)
+    try:
+        with torch.no_grad(), simulated():
+            model(PROMPT[:, :1])
+            needed = _routed(runtime)
+            runtime.flush()
+            runtime.reset_stats()
+            yield model, runtime, link.transfer_seconds(runtime.expert_bytes), needed
+    finally:
+        runtime.detach()
+
+
 def test_prefetch_overlaps_other_work_and_forwards_wait_for_what_is_still_on_the_link():
     """On the emulated link's clock (host time frozen): experts prefetched before 5 ms of other work arrive
     during it, the forward that needs them loads nothing and waits only for the rest; its output is exact."""
-    from specfit_hf.clock import advance, clock, simulated
+    from specfit_hf.clock import advance, clock
 
-    model = build_model("qwen3_moe", seed=5)
     x = PROMPT[:, :1]
     with torch.no_grad():
-        ref = model(x).logits
-    link = EmulatedLink(gbps=1.0, virtual=True)
-    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K, link=link)
-    each = link.transfer_seconds(runtime.expert_bytes)
-    try:
-        with torch.no_grad(), simulated():
-            model(x)
-            needed = _routed(runtime)
-            assert len(needed) == TOP_K * len(runtime.moe_layers)
-            # without prefetch: 5 ms of other work, then every expert loaded on the forward's path
-            runtime.flush()
-            start = clock()
-            advance(5e-3)
-            model(x)
-            assert clock() - start == pytest.approx(5e-3 + len(needed) * each)
-            # with it: the copies run during the 5 ms
-            runtime.flush()
-            runtime.reset_stats()
-            start = clock()
-            assert runtime.prefetch(needed) == len(needed)
-            assert runtime.prefetch(needed) == 0  # resident already (in flight): nothing more to copy
-            advance(5e-3)
-            out = model(x).logits
-            took = clock() - start
-            total = runtime.stats.total
-            assert total.misses == 0 and total.prefetches == len(needed) == total.prefetches_used
-            assert total.bytes_h2d == len(needed) * runtime.expert_bytes
-            assert took == pytest.approx(max(5e-3, len(needed) * each))
-            assert total.wait_seconds == pytest.approx(max(0.0, len(needed) * each - 5e-3))
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
-    finally:
-        runtime.detach()
+        ref = build_model("qwen3_moe", seed=5)(x).logits
+    with _behind_a_link() as (model, runtime, each, needed):
+        assert len(needed) == TOP_K * len(runtime.moe_layers)
+        # without prefetch: 5 ms of other work, then every expert loaded on the forward's path
+        runtime.flush()
+        start = clock()
+        advance(5e-3)
+        model(x)
+        assert clock() - start == pytest.approx(5e-3 + len(needed) * each)
+        # with it: the copies run during the 5 ms
+        runtime.flush()
+        runtime.reset_stats()
+        start = clock()
+        assert runtime.prefetch(needed) == len(needed)
+        assert runtime.prefetch(needed) == 0  # resident already (in flight): nothing more to copy
+        advance(5e-3)
+        out = model(x).logits
+        took = clock() - start
+        total = runtime.stats.total
+        assert total.misses == 0 and total.prefetches == len(needed) == total.prefetches_used
+        assert total.bytes_h2d == len(needed) * runtime.expert_bytes
+        assert took == pytest.approx(max(5e-3, len(needed) * each))
+        assert total.wait_seconds == pytest.approx(max(0.0, len(needed) * each - 5e-3))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
 
 
 def test_loads_queue_behind_prefetches_and_evicted_prefetches_are_not_waited_for():
     """One copy engine: a forward's own loads wait for the prefetches still on the link, and a prefetched
     expert evicted unused is neither counted as used nor waited for again."""
-    from specfit_hf.clock import clock, simulated
+    from specfit_hf.clock import clock
 
-    model = build_model("qwen3_moe", seed=5)
-    x = PROMPT[:, :1]
-    link = EmulatedLink(gbps=1.0, virtual=True)
-    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K, link=link)
-    each = link.transfer_seconds(runtime.expert_bytes)
-    try:
-        with torch.no_grad(), simulated():
-            model(x)
-            needed = _routed(runtime)
-            wrong = np.array([(p, next(e for e in range(NUM_EXPERTS) if e not in needed[needed[:, 0] == p, 1]))
-                              for p in range(len(runtime.moe_layers))])
-            runtime.flush()
-            runtime.reset_stats()
-            start = clock()
-            assert runtime.prefetch(wrong) == len(wrong)
-            model(x)  # TOP_K slots: each layer's load evicts the wrong expert, after it has crossed the link
-            total = runtime.stats.total
-            assert total.misses == len(needed) and total.prefetches_used == 0
-            assert clock() - start == pytest.approx((len(wrong) + len(needed)) * each)
-            assert runtime.prefetch(needed) == 0  # all resident
-    finally:
-        runtime.detach()
+    with _behind_a_link() as (model, runtime, each, needed):
+        wrong = np.array([(p, next(e for e in range(NUM_EXPERTS) if e not in needed[needed[:, 0] == p, 1]))
+                          for p in range(len(runtime.moe_layers))])
+        start = clock()
+        assert runtime.prefetch(wrong) == len(wrong)
+        model(PROMPT[:, :1])  # TOP_K slots: each layer's load evicts the wrong expert, after it crossed the link
+        total = runtime.stats.total
+        assert total.misses == len(needed) and total.prefetches_used == 0
+        assert clock() - start == pytest.approx((len(wrong) + len(needed)) * each)
+        assert runtime.prefetch(needed) == 0  # all resident
 
 
 def test_prefetch_checks_its_pairs_and_frozen_forwards_do_not_wait():
@@ -964,5 +965,27 @@ def test_prefetch_checks_its_pairs_and_frozen_forwards_do_not_wait():
             with runtime.frozen():
                 model(PROMPT[:, :1])  # the oracle's probe: no emulated link, no waiting
             assert clock() == start
+    finally:
+        runtime.detach()
+
+
+def test_prefetch_without_a_link_copies_at_once_and_counts_what_is_used():
+    model = build_model("qwen3_moe", seed=5)
+    x = PROMPT[:, :1]
+    with torch.no_grad():
+        ref = model(x).logits
+    runtime = offload_experts(model, device="cpu", slots_per_layer=TOP_K)
+    try:
+        with torch.no_grad():
+            model(x)
+            needed = _routed(runtime)
+            runtime.flush()
+            runtime.reset_stats()
+            assert runtime.prefetch(needed) == len(needed)
+            out = model(x).logits
+        total = runtime.stats.total
+        assert total.misses == 0 and total.prefetches == total.prefetches_used == len(needed)
+        assert total.wait_seconds == 0.0
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
     finally:
         runtime.detach()

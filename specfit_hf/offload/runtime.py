@@ -384,6 +384,15 @@ class OffloadRuntime:
         flat = hidden.reshape(-1, hidden.shape[-1]).to(device=weight.device, dtype=weight.dtype)
         return router(flat)[2]
 
+    @property
+    def copies_overlap(self) -> bool:
+        """Whether a prefetch's copies overlap other work: on an emulated link (its own clock) or a CUDA copy stream."""
+        return self.link is not None or self._copy_stream is not None
+
+    def link_busy_seconds(self) -> float:
+        """Seconds until the emulated link has finished the prefetches queued on it (0 when idle; CUDA: 0)."""
+        return max(0.0, float(self._link_free) - clock())
+
     def prefetch(self, experts: np.ndarray) -> int:
         """Start copying ``experts`` in, ahead of the forward that will need them; returns how many were copied.
 
@@ -468,16 +477,19 @@ class OffloadRuntime:
             self._pending_events.append((layer.stats, start, end))
             self._prefetch_pending = True
             return
+        start_time = time.perf_counter()
         with torch.no_grad():
             for dst, src in pairs:
                 dst.copy_(src)
-        if self.link is None:  # nothing to overlap with: the copy is done
+        self._prefetch_pending = True
+        if self.link is None:  # nothing to overlap with: the copy is done (arrived now, for the counts)
+            layer.ready_at[slots] = clock()
+            self._add_seconds(layer.stats, time.perf_counter() - start_time)
             return
         each = self.link.transfer_seconds(self.expert_bytes)
         ends = max(clock(), self._link_free) + each * np.arange(1, n + 1)
         layer.ready_at[slots] = ends
         self._link_free = float(ends[-1])
-        self._prefetch_pending = True
         self._add_seconds(layer.stats, each * n)
 
     def _wait(self, until: float, layer_stats: TransferStats) -> None:
@@ -485,7 +497,7 @@ class OffloadRuntime:
         now = clock()
         if until <= now or self.link is None:  # (no emulated timeline: CUDA orders copies by events)
             return
-        if self.link is not None and self.link.virtual:
+        if self.link.virtual:
             advance(until - now)
         else:
             wait_until(time.perf_counter() + (until - now))

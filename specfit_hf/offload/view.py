@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specfit_hf.clock import clock
-
 if TYPE_CHECKING:
     from .runtime import OffloadRuntime
 
@@ -99,12 +97,11 @@ class ExpertCacheView:
 
     def can_prefetch(self) -> bool:
         """Whether a prefetch overlaps other work: an emulated link (its own clock) or a CUDA copy stream."""
-        runtime = self._runtime
-        return runtime.link is not None or runtime._copy_stream is not None
+        return self._runtime.copies_overlap
 
     def link_busy_seconds(self) -> float:
         """Seconds until the emulated link has finished the prefetches queued on it (0 when idle or unknown)."""
-        return max(0.0, float(self._runtime._link_free) - clock())
+        return self._runtime.link_busy_seconds()
 
     def prefetches(self) -> tuple[int, int]:
         """Experts prefetched so far, and of those the ones a forward used: cycles difference them."""
