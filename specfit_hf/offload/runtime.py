@@ -299,8 +299,8 @@ class OffloadRuntime:
                   and all(r.base is table and r.ctypes.data == table[i].ctypes.data for i, r in enumerate(rows)))
         self._slot_table = table if shared else None
         self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
-        # the emulated link's queue: when (clock()) its last prefetch ends, and the latest such end
-        # while any prefetched slot is unused (forwards skip the per-slot check after it)
+        # the emulated link's queue: when (clock()) its last prefetch ends; and whether any prefetch has been
+        # issued since the last flush (forwards check their slots' arrivals only then)
         self._link_free = -np.inf
         self._prefetch_pending = False
         # prefetch_ahead's schedule for the next forward: layer position -> experts, and each layer's position
@@ -414,10 +414,10 @@ class OffloadRuntime:
             raise ValueError(f"prefetch expert ids must be in [0, {self.num_experts}), got {pairs[:, 1].tolist()}")
         self._tick += 1
         issued = 0
-        order = np.argsort(pairs[:, 0], kind="stable")  # layer by layer, each layer's experts in the given order
+        pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]  # layer by layer, each layer's in the given order
         for position in np.unique(pairs[:, 0]).tolist():
             layer = layers[position]
-            wanted = pairs[order][pairs[order][:, 0] == position, 1]
+            wanted = pairs[pairs[:, 0] == position, 1]
             wanted = wanted[np.sort(np.unique(wanted, return_index=True)[1])]  # first mention wins
             wanted = wanted[layer.cache.slot_of[wanted] < 0][: layer.cache.num_slots]
             if wanted.size == 0:
