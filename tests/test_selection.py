@@ -1553,3 +1553,17 @@ def test_prefetch_plan_takes_likely_missing_experts_while_a_copy_hides_more_than
     assert hits.rate == pytest.approx(9 / 10)
     hits.observe(0, 0)  # a cycle without prefetches changes nothing
     assert hits.rate == pytest.approx(9 / 10)
+
+
+def test_a_chain_stops_to_prefetch_while_the_copies_are_worth_the_stops_host_time():
+    from specfit_hf.selection.prefetch import DraftingStops
+
+    stops = DraftingStops(decay=0.5, retry=4)
+    assert stops.wanted()  # nothing measured: stop (that measures it)
+    stops.observe(hidden=0.0, seconds=0.0)  # host time frozen: a stop costs nothing, and chains keep stopping
+    assert all(stops.wanted() for _ in range(5))
+    stops.observe(hidden=0.0, seconds=4e-4)  # the guessed experts were resident: nothing to hide, 0.4 ms spent
+    # skipped, but one chain cycle in `retry` still stops, so the figures follow the cache
+    assert [stops.wanted() for _ in range(8)] == [False, False, False, True] * 2
+    stops.observe(hidden=3e-3, seconds=4e-4)  # a stop that moves a few experts pays again
+    assert stops.worth >= stops.cost and stops.wanted()
