@@ -283,8 +283,9 @@ class SpecFitPolicy(SelectionPolicy):
             # the forecast keeps its loads: the loads fits learn from what cycles really loaded, which the
             # copies that arrived in time are not (taking their seconds off as well counted them twice:
             # 38 twin cells, host time frozen, chain cycles forecast 2-11 % short at a quarter cache)
-            # (the fit as last made: reading ``model`` here would refit a chain's cost model every few cycles)
-            verify = self.costs.fit.last_fit
+            # (reading ``model`` refits it when due: the gate's prices of unmeasured chains and the prefix search
+            # read the fit as last made, which in a run of fixed chains only a read like this one renews)
+            verify = self.costs.model
             ahead = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
                                    layer_by_layer=True)[0]
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
