@@ -280,11 +280,10 @@ class SpecFitPolicy(SelectionPolicy):
             expected = 1.0 + float(self.acceptance.path(tree).sum())
         ahead = None
         if self._prefetching():  # the verified prefix's guessed experts move while the verify's layers compute
-            # the forecast keeps its loads: the loads fits learn from what cycles really loaded, which the
-            # copies that arrived in time are not (taking their seconds off as well counted them twice:
-            # 38 twin cells, host time frozen, chain cycles forecast 2-11 % short at a quarter cache)
-            # (reading ``model`` refits it when due: the gate's prices of unmeasured chains and the prefix search
-            # read the fit as last made, which in a run of fixed chains only a read like this one renews)
+            # The forecast keeps its loads: its fits learn from what cycles really loaded, which a copy used in
+            # time is not (taking the copies' seconds off too counted them twice: chain cycles forecast up to
+            # 11 % short at a quarter cache).  Reading ``model`` refits the verification fit when due; in a run
+            # of fixed chains this read is what renews the fit the gate and the prefix search use.
             verify = self.costs.model
             ahead = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
                                    layer_by_layer=True)[0]
