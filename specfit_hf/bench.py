@@ -331,6 +331,7 @@ class PromptRun:
     cycle_loads: list[int] = field(default_factory=list)  # expert loads of each cycle
     cycle_kinds: list[str] = field(default_factory=list)  # each cycle's kind (CycleRecord.kind)
     cycle_tokens: list[int] = field(default_factory=list)  # tokens each cycle committed
+    cycle_policy_seconds: list[float] = field(default_factory=list)  # each cycle's policy host time
 
 
 @torch.inference_mode()
@@ -449,6 +450,7 @@ def run_variant(
         cycle_kinds=[c.kind for c in cycles],
         cycle_tokens=[c.tokens_committed for c in cycles],
         policy_seconds=sum(c.policy_seconds for c in cycles),
+        cycle_policy_seconds=[c.policy_seconds for c in cycles],
         ttft_seconds=first_t - t,
         decode_seconds=end - first_t,
         decode_tokens=len(new) - first_n,
@@ -561,6 +563,12 @@ def tune_static(
     return _tune(target, draft, prompts_ids, max_new_tokens, {v.label: v for v in family}, "tune static tree")
 
 
+def _median_share(runs: Sequence[PromptRun]) -> float:
+    """Median over cycles of the policy's host time over the cycle's time (NaN without per-cycle figures)."""
+    shares = [p / c for r in runs for p, c in zip(r.cycle_policy_seconds, r.measured_cycle_seconds) if c > 0]
+    return statistics.median(shares) if shares else float("nan")
+
+
 def summarize(
     runs: list[PromptRun],
     reference: dict[int, list[int]],
@@ -607,6 +615,9 @@ def summarize(
             "selection_overhead_share": (
                 sum(r.policy_seconds for r in cycle_records) / cycle_seconds if cycle_seconds > 0 else 0.0
             ),
+            # the issue's goal is stated per cycle (the median cycle's share); the total share above is the
+            # stricter figure (long cycles weigh more, and a cycle's policy time is mostly fixed)
+            "selection_overhead_median_share": _median_share(vruns),
             "outputs_identical_to_autoregressive": all(r.new_tokens == reference[r.prompt_index] for r in vruns),
             # where the time goes, by the policy's kind of cycle (CycleRecord.kind), start and rest of each generation
             "time_by_kind": time_by_kind(zip(r.cycle_kinds, r.cycle_tokens, r.measured_cycle_seconds)
@@ -898,7 +909,8 @@ _TABLE_COLUMNS = (
     ("cycle MAPE %", "cycle_time_mape_pct", "{:.1f}"),
     ("MAPE routing-blind floor / loads known %", ("cycle_time_mape_blind_floor_pct", "cycle_time_mape_loads_known_pct"),
      "{:.1f} / {:.1f}"),
-    ("policy share", "selection_overhead_share", "{:.1%}"),
+    ("policy share: all / median cycle", ("selection_overhead_share", "selection_overhead_median_share"),
+     "{:.1%} / {:.1%}"),
     ("identical", "outputs_identical_to_autoregressive", "{}"),
 )
 

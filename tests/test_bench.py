@@ -76,7 +76,7 @@ def test_summarize_speedups_and_identity():
                   decode_seconds=1.5, decode_tokens=3),
         PromptRun("specfit", 0, 0, [1, 2, 3, 4], 1.0, 2, 2.0, 4, 400, [0.4, 0.5], [0.5, 0.5], 0.1,
                   ttft_seconds=0.7, decode_seconds=0.3, decode_tokens=3, cycle_shapes=[(1, 1), (1, 1)],
-                  cycle_loads=[1, 3]),
+                  cycle_loads=[1, 3], cycle_policy_seconds=[0.01, 0.02]),
         PromptRun("eagle3", 0, 0, [1, 2, 3, 5], 4.0, 1, 4.0, 16, 1600, ttft_seconds=1.0, decode_seconds=3.0,
                   decode_tokens=3),
     ]
@@ -94,6 +94,8 @@ def test_summarize_speedups_and_identity():
     assert rows["specfit"]["cycle_time_mape_loads_known_pct"] == pytest.approx(0.0)
     assert math.isnan(rows["autoregressive"]["cycle_time_mape_blind_floor_pct"])
     assert rows["specfit"]["selection_overhead_share"] == pytest.approx(0.1)
+    assert rows["specfit"]["selection_overhead_median_share"] == pytest.approx(0.03)  # of 0.02 and 0.04
+    assert math.isnan(rows["autoregressive"]["selection_overhead_median_share"])  # no cycles of its own
     assert rows["specfit"]["outputs_identical_to_autoregressive"] is True
     assert rows["eagle3"]["outputs_identical_to_autoregressive"] is False
 

@@ -1542,6 +1542,14 @@ def test_prefetch_plan_takes_likely_missing_experts_while_a_copy_hides_more_than
     assert prefetch_plan(one, needed[1:], cached[:1], window=np.array([0.035]), busy=0.0, each=0.1)[0].size == 0
     assert prefetch_plan(one, needed[1:], cached[:1], window=np.array([0.045]), busy=0.0,
                          each=0.1)[0].tolist() == [[0, 2]]
+    # a pair named by two rows has the likelier row's p; equal p keep the order the rows first name them
+    wide = np.array([1.0])
+    plan, _ = prefetch_plan(np.array([[[5, 3]], [[3, 7]]]), np.array([0.5, 0.9]), np.zeros((1, 8), dtype=bool),
+                            window=wide, busy=0.0, each=0.1)
+    assert plan.tolist() == [[0, 3], [0, 7], [0, 5]]
+    plan, _ = prefetch_plan(np.array([[[6, 2]]]), np.array([1.0]), np.zeros((1, 8), dtype=bool), window=wide,
+                            busy=0.0, each=0.1)
+    assert plan.tolist() == [[0, 6], [0, 2]]
     # the link still busy past the window, or nothing missing: nothing
     assert prefetch_plan(rows, needed, cached, window=np.array([0.2, 0.2]), busy=0.3, each=0.1)[0].size == 0
     assert prefetch_plan(rows, needed, np.ones((2, 8), dtype=bool), window=np.array([1.0, 1.0]), busy=0.0,

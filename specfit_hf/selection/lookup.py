@@ -18,6 +18,8 @@ throughput-optimal prefix of a chain under that estimate.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..tree import LookupProposal
@@ -116,8 +118,17 @@ def best_lookup_prefix(acceptance: np.ndarray, root_seconds: float,
     """
     if acceptance.size == 0:
         raise ValueError("an empty chain has no prefix to verify")
-    expected = 1.0 + np.cumsum(np.cumprod(acceptance))
-    per_node = np.broadcast_to(np.asarray(node_seconds, dtype=np.float64), acceptance.shape)
-    seconds = root_seconds + np.cumsum(per_node)
-    h = int(np.argmax(expected / np.maximum(seconds, 1e-12)))
-    return h + 1, float(expected[h]), float(seconds[h])
+    q = acceptance.tolist()
+    per_node = np.broadcast_to(np.asarray(node_seconds, dtype=np.float64), acceptance.shape).tolist()
+    # at most a few dozen depths, every lookup cycle: one host loop costs less than the array calls
+    best = (0, 0.0, 0.0, -math.inf)
+    reach = tokens = spent = 0.0
+    for d, (q_d, s_d) in enumerate(zip(q, per_node)):
+        reach = q_d if d == 0 else reach * q_d
+        tokens += reach
+        spent += s_d
+        expected, seconds = 1.0 + tokens, root_seconds + spent
+        rate = expected / max(seconds, 1e-12)
+        if rate > best[3]:
+            best = (d + 1, expected, seconds, rate)
+    return best[:3]

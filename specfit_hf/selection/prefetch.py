@@ -45,29 +45,33 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
             (:meth:`~specfit_hf.offload.OffloadRuntime.prefetch_ahead`): ``window`` is then each
             layer's time from the start of its copies to its need.
     """
-    # each missing (layer, expert) once, with the probability of the likeliest row naming it
-    best: dict[tuple[int, int], float] = {}
-    for row, p in zip(rows, needed.tolist()):
-        layers, ranks = np.nonzero(row >= 0)
-        experts = row[layers, ranks]
-        missing = ~cached[layers, experts]
-        for pair in zip(layers[missing].tolist(), experts[missing].tolist()):
-            if best.get(pair, -1.0) < p:
-                best[pair] = p
     taken: list[tuple[int, int]] = []
     hidden, start = 0.0, busy  # start: when the next copy would start, from now
-    if each > 0:
-        limits = window.tolist()
-        # a few dozen candidates: host loops cost less than array calls here (this runs every chain cycle)
-        current = -1
-        for (layer, expert), p in sorted(best.items(), key=lambda item: (item[0][0], -item[1])):
-            if layer_by_layer and layer != current:
-                current, start = layer, 0.0
-            ahead = limits[layer] - start
-            if p * min(ahead, each) > (1.0 - p) * max(0.0, each - ahead):
-                taken.append((layer, expert))
-                hidden += p * min(ahead, each)
-                start += each
+    valid = rows >= 0
+    row, layer, _ = np.nonzero(valid)  # (row, layer, rank) order: the order the rows name their experts
+    expert = rows[valid]
+    missing = ~cached[layer, expert]
+    if each <= 0 or not missing.any():
+        return np.zeros((0, 2), dtype=np.int64), hidden
+    row, layer, expert = row[missing], layer[missing], expert[missing]
+    # each missing (layer, expert) once, with the probability of the likeliest row naming it; candidates of
+    # a layer are taken most likely first, ties in the order the rows first name them
+    ids = layer * cached.shape[1] + expert
+    unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    p = np.full(unique.size, -1.0)
+    np.maximum.at(p, inverse, needed[row])
+    order = np.lexsort((first, -p, layer[first]))
+    limits = window.tolist()
+    # a few dozen candidates: host loops cost less than array calls here (this runs every chain cycle)
+    current = -1
+    for layer_, expert_, p_ in zip(layer[first][order].tolist(), expert[first][order].tolist(), p[order].tolist()):
+        if layer_by_layer and layer_ != current:
+            current, start = layer_, 0.0
+        ahead = limits[layer_] - start
+        if p_ * min(ahead, each) > (1.0 - p_) * max(0.0, each - ahead):
+            taken.append((layer_, expert_))
+            hidden += p_ * min(ahead, each)
+            start += each
     return np.array(taken, dtype=np.int64).reshape(-1, 2), hidden
 
 
