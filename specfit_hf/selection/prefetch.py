@@ -57,14 +57,15 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
     # each missing (layer, expert) once, with the probability of the likeliest row naming it; candidates of
     # a layer are taken most likely first, ties in the order the rows first name them
     ids = layer * cached.shape[1] + expert
-    unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    p = np.full(unique.size, -1.0)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    p = np.full(first.size, -1.0)
     np.maximum.at(p, inverse, needed[row])
-    order = np.lexsort((first, -p, layer[first]))
+    layer, expert = layer[first], expert[first]
+    order = np.lexsort((first, -p, layer))
     limits = window.tolist()
     # a few dozen candidates: host loops cost less than array calls here (this runs every chain cycle)
     current = -1
-    for layer_, expert_, p_ in zip(layer[first][order].tolist(), expert[first][order].tolist(), p[order].tolist()):
+    for layer_, expert_, p_ in zip(layer[order].tolist(), expert[order].tolist(), p[order].tolist()):
         if layer_by_layer and layer_ != current:
             current, start = layer_, 0.0
         ahead = limits[layer_] - start
