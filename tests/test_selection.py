@@ -97,6 +97,27 @@ def test_online_cost_model_moves_from_prior_to_data():
     assert online.mape > 0
 
 
+def test_online_cost_model_splits_fixed_and_per_token_cost_with_one_token_verifies():
+    """Where every cycle in the window verifies the same number of tokens, the one-token verifies
+    (kept past the window) measure the fixed cost; without them the split came from the default
+    prior (a host-bound GH200 twin: ``t0`` 72 ms and ``t_token`` 1.7 ms for 93 ms and 0.3 ms)."""
+    truth = CostModel(t0=0.093, t_token=0.0003, t_expert=0.0006)
+    online = OnlineCostModel(CostModel(t0=0.005, t_token=0.0005, t_expert=0.0006))  # the default's fixed cost
+    rng = np.random.default_rng(3)
+    for _ in range(5):  # a call's first plain steps
+        m = int(rng.integers(0, 4))
+        online.add(1, m, truth.predict(1, m))
+    for _ in range(200):  # then 10-token chains, cycle after cycle: the plain steps leave the 64-cycle window
+        m = int(rng.integers(0, 12))
+        online.add(11, m, truth.predict(11, m))
+    assert len(online.samples) == 64 and all(s[0] == 11 for s in online.samples)
+    model = online.model
+    assert model.t0 == pytest.approx(truth.t0, rel=0.02)
+    assert model.t_token == pytest.approx(truth.t_token, rel=0.2)
+    # a 10-token lookup chain (no drafting) is forecast at what it costs
+    assert model.predict(11, 0) == pytest.approx(truth.predict(11, 0), rel=0.01)
+
+
 class _FakeClock:
     def __init__(self):
         self.now = 0.0

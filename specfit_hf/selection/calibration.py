@@ -220,6 +220,9 @@ def mape_floors(shapes: Sequence[Hashable], loads: Sequence[float], seconds: Seq
     return mape(blind, sec), mape(known, sec)
 
 
+_ANCHORS = 8  # one-token verifies kept in the fit past its window (OnlineCostModel.add)
+
+
 class OnlineCostModel:
     """A cost model refined from measured cycles (least squares on a sliding window).
 
@@ -237,6 +240,8 @@ class OnlineCostModel:
         self._model = initial
         self._stale = False  # a refit is due (done when the model is next read)
         self.samples: deque[CostSample] = deque(maxlen=int(window))
+        # the last few one-token verifies, kept past the window: see :meth:`add`
+        self._anchors: deque[tuple[int, CostSample]] = deque(maxlen=_ANCHORS)
         self.min_samples = int(min_samples)
         self.prior_weight = float(prior_weight)
         self.refit_every = max(1, int(refit_every))
@@ -247,10 +252,22 @@ class OnlineCostModel:
     def add(self, tokens: float, misses: float, seconds: float, predicted: float | None = None,
             novel: float = 0.0) -> None:
         """Record one cycle and refit.  ``predicted`` (the policy's forecast) feeds :attr:`mape`;
-        ``novel``: the distinct experts the verified nodes computed beyond the root's, in roots' worth."""
+        ``novel``: the distinct experts the verified nodes computed beyond the root's, in roots' worth.
+
+        Where one kind of cycle runs (a 10-token chain, cycle after cycle) every sample verifies the
+        same number of tokens, and the fixed cost and the cost per token cannot be told apart: the
+        split came from the prior, whose default fixed cost is 5 ms (GH200 twin, CNN/DM: ``t0`` 50-75 ms
+        and ``t_token`` 1.5-2.8 ms where a one-token verify costs 93 ms and each more token ~0.3 ms,
+        so a 10-token lookup chain was forecast at 114-141 ms and measured at 96-98).  A one-token
+        verify measures the fixed cost alone: the last :data:`_ANCHORS` of them stay in the fit after
+        they leave the window, and the prior's fixed cost is theirs (:meth:`_prior`).
+        """
         if not np.isfinite(seconds) or seconds <= 0:
             return
-        self.samples.append((float(tokens), float(misses), float(seconds), float(novel)))
+        sample = (float(tokens), float(misses), float(seconds), float(novel))
+        self.samples.append(sample)
+        if tokens <= 1:
+            self._anchors.append((self._added, sample))
         if predicted is not None and np.isfinite(predicted):
             self.predicted.append(float(predicted))
             self.measured.append(float(seconds))
@@ -263,9 +280,23 @@ class OnlineCostModel:
     def model(self) -> CostModel:
         """The current fit."""
         if self._stale:
-            self._model = fit_cost_model(self.samples, prior=self.initial, prior_weight=self.prior_weight)
+            first = self._added - len(self.samples)  # the window holds the samples added from this index on
+            left = [sample for index, sample in self._anchors if index < first]
+            samples = [*self.samples, *left] if left else self.samples
+            self._model = fit_cost_model(samples, prior=self._prior(), prior_weight=self.prior_weight)
             self._stale = False
         return self._model
+
+    def _prior(self) -> CostModel:
+        """:attr:`initial`, its fixed cost moved to what the one-token verifies measured (their median, less
+        their loads and one token at the initial model's prices): the ridge then pulls the fixed cost toward
+        this host's, not toward a default's (5 ms where a GH200 twin's verify costs 93)."""
+        prior = self.initial
+        if not self._anchors:
+            return prior
+        fixed = [s - prior.t_token * t - prior.t_expert * m for _, (t, m, s, _n) in self._anchors]
+        t0 = float(np.median(fixed))
+        return CostModel(t0=max(t0, 1e-9), t_token=prior.t_token, t_expert=prior.t_expert, t_novel=prior.t_novel)
 
     @property
     def last_fit(self) -> CostModel:
