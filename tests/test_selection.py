@@ -1215,6 +1215,28 @@ def test_a_chain_probe_costs_its_extra_levels_and_a_chain_pays_the_first_level_o
     assert fig[probe_kind(0)][1] == pytest.approx(0.004 + state.draft.predict(PROBE_DEPTH, PROBE_DEPTH))
 
 
+def test_a_new_call_prices_chains_at_the_running_root_loads_not_at_earlier_calls_openings():
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=1000)
+    gate = DraftingGate(state, True, ["plain", "chain:1", "chain:2", "tree"], 1000, 1000)
+    gate.start_call()
+    t_exp = 0.005
+    # a call whose opening missed 9 experts a step and whose later chain cycles' roots missed 1
+    for _ in range(8):
+        gate.observe("plain", 1, 0.01 + 9 * t_exp, loads=9, root_loads=9, t_expert=t_exp)
+    for _ in range(20):
+        gate.observe("chain:2", 3, 0.02 + 3 * t_exp, loads=3, root_loads=1, t_expert=t_exp, nodes=2, accepted=2)
+    before = state.root_loads
+    chain_seconds = gate.cycle_figures()["chain:2"][1]
+    assert before == pytest.approx(1.0, abs=0.01)
+    # the next call starts where the measurements stand: its chains are not priced at the last opening's 9 loads
+    # (a call opened on plain steps that way, where GSM8K's chains pay even while the cache is cold)
+    gate.start_call()
+    assert state.call_cycle == 0 and state.root_loads == before
+    assert gate.cycle_figures()["chain:2"][1] == pytest.approx(chain_seconds)
+
+
 def test_gate_reranks_running_plain_decoding_every_few_cycles_and_waits_for_a_warm_cache_to_try_a_chain():
     from specfit_hf.selection.gate import _RERANK, _START_CYCLES, DraftingGate, DraftingMeasurements
 

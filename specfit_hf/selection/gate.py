@@ -202,7 +202,6 @@ class DraftingMeasurements:
     explore_at: int = 0  # the first cycle an exploration may start (interval and budget, as last ranked)
     version: int = 0  # bumped on every change of the measurements (what derived figures are cached against)
     node_fit: DecayedRidge = field(default_factory=lambda: DecayedRidge(ridge=_NODE_RIDGE))  # loads ~ nodes (a + b m)
-    start_loads: float | None = None  # mean root loads of a call's first cycles (a call starts cold)
     own_node_sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (extra loads, forecast)
     lookup_root_sums: tuple[float, float] = (0.0, 0.0)  # a lookup chain's root: (loads, root mean when it ran)
     call_cycle: int = 0  # cycles observed in the current call
@@ -259,8 +258,7 @@ _SWITCH = 1.05  # another kind must be this much faster to replace the one runni
 _OWN_CYCLES = 4  # cycles after which a chain is priced by its own cycles rather than by the fits
 _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
-_START_CYCLES = 8  # a call's first cycles, whose root loads :meth:`DraftingGate.start_call` starts from
-_START_EMA = 0.1
+_START_CYCLES = 8  # a process's first call runs plain steps this many cycles before its first chain (cold cache)
 _LEAD_CYCLES = 16  # cycles a chain leads before chains PROBE_DEPTH deeper are ranked (DraftingGate.chain_limit)
 _RERANK = 4  # cycles plain decoding or a chain runs on without re-ranking the kinds
 _NODE_DECAY = 0.98  # per drafting cycle: the fit of what verified nodes load (~50 cycles of memory)
@@ -417,17 +415,18 @@ class DraftingGate:
         return max(self.open_depth, self.state.deepest_led + PROBE_DEPTH)
 
     def start_call(self) -> None:
-        """A ``generate`` call starts: its first cycles load what earlier calls' first cycles did.
+        """A ``generate`` call starts: its cycles are counted from 0 (:meth:`choose`'s cold-cache wait).
 
-        A prefill leaves the cache holding the prompt's experts, so the first decode steps
-        miss far more than the last steps of the previous call did; starting the root loads
-        mean there keeps the gate from drafting into a cold cache on the previous call's terms.
+        The root loads mean runs on from the previous call.  A prefill leaves the cache cold, so a
+        call's first decode steps load more than the previous call's last ones, and the gate used to
+        start each call at the mean of earlier calls' first cycles: it then opened every call with
+        plain steps, where GSM8K's chains pay even in the cold cycles (CPU + emulated ``qwen3-pcie5``,
+        quarter cache: the fixed 5-token chain 1.13x plain decoding over generations' first 24
+        tokens).  Without that start, CPU pairs 1.00-1.07x (8 of 8 at or above), twins with host
+        time frozen 0.998-1.010 geo-mean (docs/acceptance).  The running mean (weight 0.3 a cycle)
+        reaches a cold call's loads within a few cycles anyway.
         """
-        state = self.state
-        state.call_cycle = 0
-        if state.start_loads is not None:
-            state.root_loads = state.start_loads
-            state.version += 1
+        self.state.call_cycle = 0
 
     def rate(self, kind: str) -> float | None:
         """Tokens per second of ``kind``'s cycles (draft, search and verify), transfers at the common rate."""
@@ -860,9 +859,6 @@ class DraftingGate:
                 else:
                     state.root_loads = root if state.root_loads is None else (
                         (1 - _ROOT_EMA) * state.root_loads + _ROOT_EMA * root)
-                    if state.call_cycle <= _START_CYCLES:
-                        state.start_loads = float(root) if state.start_loads is None else (
-                            (1 - _START_EMA) * state.start_loads + _START_EMA * root)
         # the tree's cycles keep the reference chain's tokens at the acceptance they were chosen under
         chain_tokens = self.chain_tokens() if kind == "tree" else None
         reference = 0.0 if chain_tokens is None else float(chain_tokens[_REFERENCE])
