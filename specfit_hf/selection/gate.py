@@ -422,8 +422,8 @@ class DraftingGate:
         start each call at the mean of earlier calls' first cycles: it then opened every call with
         plain steps, where GSM8K's chains pay even in the cold cycles (CPU + emulated ``qwen3-pcie5``,
         quarter cache: the fixed 5-token chain 1.13x plain decoding over generations' first 24
-        tokens).  Without that start, CPU pairs 1.00-1.07x (8 of 8 at or above), twins with host
-        time frozen 0.998-1.010 geo-mean (docs/acceptance).  The running mean (weight 0.3 a cycle)
+        tokens).  Without that start, CPU pairs 0.98-1.07x (9 of 10 at or above, geo-mean 1.026), twins
+        with host time frozen 0.998-1.010 geo-mean (docs/acceptance).  The running mean (weight 0.3 a cycle)
         reaches a cold call's loads within a few cycles anyway.
         """
         self.state.call_cycle = 0
