@@ -970,6 +970,38 @@ def test_gate_probes_instead_of_verifying_chains_while_plain_decoding_is_best():
     assert after.count(PROBE) <= 10
 
 
+def test_while_plain_decoding_leads_a_chain_the_priors_price_near_it_runs_until_its_own_cycles_price_it(monkeypatch):
+    """While plain decoding leads no chain runs, so nothing but this corrects the priors a chain is priced by
+    (CPU + emulated qwen3-pcie5, GSM8K, quarter cache: six calls of plain steps where chains pay)."""
+    from specfit_hf.selection.gate import _NEAR, _OWN_CYCLES, PROBE, DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=4)
+    gate = DraftingGate(state, True, ["plain", "chain:1", "chain:2", "chain:3", "tree"], 4, 16)
+    gate.observe("plain", 1, 0.01)
+    gate.observe("chain:2", 2, 0.03, nodes=2, accepted=1)  # one cycle: priced by the fits, not by its own cycles
+    rates = {"plain": 100.0, PROBE: 95.0, "chain:1": 85.0, "chain:2": 90.0, "chain:3": 70.0, "tree": 40.0}
+    assert gate._worth_exploring("plain", rates) == [PROBE, "tree", "chain:2"]  # the fastest chain near plain
+    far = {**rates, "chain:1": 0.0, "chain:2": 0.0, "chain:3": 100.0 * _NEAR - 1.0}
+    assert gate._worth_exploring("plain", far) == [PROBE, "tree"]  # one the priors put far behind is not run
+    assert "chain:2" not in gate._worth_exploring("chain:3", {**rates, "chain:3": 110.0})  # only while plain leads
+
+    monkeypatch.setattr(gate, "rates", lambda: rates)
+    state.current = "plain"
+    chosen = []
+    for _ in range(60):
+        kind = gate.choose()
+        chosen.append(kind)
+        if kind.startswith("chain:"):
+            gate.observe(kind, 2, 0.03, nodes=2, accepted=1)
+        else:
+            gate.observe(kind, 1, 0.01, nodes=3 if kind == "tree" else 0)
+    first = chosen.index("chain:2")  # at an exploration, whatever its priced regret
+    left = _OWN_CYCLES - 1  # it ran once before
+    assert chosen[first:first + left] == ["chain:2"] * left and chosen[first + left] != "chain:2"
+    assert chosen.count("chain:2") == left  # priced by its own cycles now: plain decoding leads on
+    assert "chain:2" not in gate._worth_exploring("plain", rates)
+
+
 def test_chains_not_run_yet_are_priced_from_the_plain_step_and_the_chains_that_ran():
     from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements
 

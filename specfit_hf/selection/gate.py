@@ -67,7 +67,9 @@ or sampled), so the acceptance of the next depths is measured for a draft level'
 each, without a verified token's compute and expert loads.  (Shorter chains and plain
 steps are known: a chain of ``h`` levels measures every depth up to ``h``.)  A chain past
 ``open_depth`` that the fits rank just ahead of the best, within the switching margin, runs
-until its own cycles price it: else the fits' price of it would never be corrected.
+until its own cycles price it: else the fits' price of it would never be corrected.  For the
+same reason, while plain decoding leads, the fastest chain not yet priced by its own cycles
+runs until they price it, if its price from the priors is near plain decoding's.
 Explorations come every ``interval`` cycles (doubling while the best holds, up to
 ``max_explore_every``) and only while their cost, in cycles of the best kind, stays within
 :data:`_EXPLORE_BUDGET` of the cycles since the last one.  A kind within 5% of the running
@@ -254,6 +256,7 @@ _MAX_CHAIN = MAX_CHAIN  # longest fixed chain a gate may rank (sizes the per-dep
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
+_NEAR = 0.8  # while plain leads, a chain priced by priors this near it runs until priced (_worth_exploring)
 _SWITCH = 1.05  # another kind must be this much faster to replace the one running
 _OWN_CYCLES = 4  # cycles after which a chain is priced by its own cycles rather than by the fits
 _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
@@ -706,9 +709,12 @@ class DraftingGate:
 
             kind = max(self._worth_exploring(best, rates), key=due)
             burst = 1 if kind.startswith("probe:") else self.burst  # a probe measures in one cycle
-            if best.startswith("chain:") and kind.startswith("chain:"):
-                burst = max(burst, self._unpriced(kind))  # a deeper chain runs until its own cycles price it
-            wait = burst * self._regret(kind, best) / _EXPLORE_BUDGET  # cycles of the best kind it costs
+            if kind.startswith("chain:"):
+                burst = max(burst, self._unpriced(kind))  # a chain runs until its own cycles price it
+            # a chain explored while plain decoding leads is priced by priors only: its regret is the
+            # unknown being measured, not a cost to budget (budgeted, it waited hundreds of cycles)
+            regret = 0.0 if best == "plain" and kind.startswith("chain:") else self._regret(kind, best)
+            wait = burst * regret / _EXPLORE_BUDGET  # cycles of the best kind it costs
             if state.cycle - state.explored_at >= wait:
                 state.explored_at, state.exploring, state.explore_left = state.cycle, kind, burst - 1
                 state.best_before = best
@@ -784,10 +790,25 @@ class DraftingGate:
         level's cost, without the compute and expert loads of verifying it.  A probe measures
         acceptance, not cost: a chain past ``open_depth`` that the fits rank ahead of the best
         by less than :data:`_SWITCH` (given ``rates``) is run until priced by its own cycles
-        (:data:`_OWN_CYCLES`).  The tree is re-measured in bursts of its own cycles, whatever runs.
+        (:data:`_OWN_CYCLES`); while plain decoding leads, so is the fastest chain not priced by its
+        own cycles yet that the priors put within :data:`_NEAR` of it.  The tree is re-measured in
+        bursts of its own cycles, whatever runs.
         """
         if best == "plain" and self._chains:
-            return [PROBE, *(k for k in self.kinds if k == "tree")]
+            out = [PROBE, *(k for k in self.kinds if k == "tree")]
+            if rates is not None and "plain" in rates:
+                # While plain decoding leads no chain runs, so nothing corrects the priors a chain is
+                # priced by (a call's first chain, run in the cold cycles after a prefill, and the
+                # depths below it guessed at the ones above): CPU + emulated qwen3-pcie5, GSM8K at a
+                # quarter cache, a process's first six calls ran plain steps and lookups while the
+                # fixed 5-token chain was 1.1-1.5x plain decoding at every cache temperature.  The
+                # fastest chain not yet priced by its own cycles is measured, if the priors put it
+                # near plain decoding
+                near = [k for k, _ in self.chain_depths if self._unpriced(k) and k in rates
+                        and rates[k] >= _NEAR * rates["plain"]]
+                if near:
+                    out.append(max(near, key=lambda k: rates[k]))
+            return out
         if best.startswith("chain:"):
             h = kind_depth(best)
             deeper = [probe_kind(h)] if f"chain:{h + 1}" in self.kinds else []
