@@ -97,7 +97,10 @@ class DecayedRidge:
 
     Args:
         prior: the coefficients before data (what the ridge pulls toward).
-        ridge: pseudo-observations behind ``prior``.
+        ridge: added to the normal equations' diagonal: pseudo-observations behind ``prior`` at unit
+            regressors.  Against observations whose regressors are larger it weighs less (the gate's node
+            loads fit, ``x1`` = new experts x root loads ~ 10: one cold observation outweighs it ~100-fold;
+            scaled to the observations' own size it was tried and not kept, docs/acceptance).
     """
 
     __slots__ = ("xtx", "xty", "prior", "ridge", "_fit")
