@@ -1146,6 +1146,37 @@ def test_chains_past_the_open_depth_are_ranked_only_once_a_chain_near_them_has_l
     assert DraftingGate(DraftingMeasurements(interval=8), True, kinds, 8, 64).chain_limit() >= 10
 
 
+def test_chains_climb_past_the_open_depth_only_where_a_draft_level_is_cheap_against_a_verify():
+    """A level past ten adds about a quarter of a token a cycle: it pays where a draft level costs a few percent
+    of a verify (the eager twins, 0.015-0.03), not where it costs a tenth (this CPU, the ``+graphs`` twin)."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import _DEEP_LEVEL_SHARE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
+
+    kinds = ["plain", *(f"chain:{h}" for h in range(1, 11)), "tree"]
+
+    def gate_with(level_seconds: float) -> DraftingGate:
+        state = DraftingMeasurements(interval=8)
+        state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0001, t_expert=0.0))
+        gate = DraftingGate(state, True, kinds, 8, 64, open_depth=4)
+        assert gate.deep_levels_cheap()  # nothing fitted yet: the climb is allowed
+        for levels in (1, 2, 3) * 10:
+            state.draft.add(levels, levels, level_seconds * levels, 0.97)
+        state.deepest_led = 4  # chain:4 has led for a while
+        return gate
+
+    step = 0.0041  # the verify fit's one-token cost
+    cheap = gate_with(0.5 * _DEEP_LEVEL_SHARE * step)
+    assert cheap.deep_levels_cheap() and cheap.chain_limit() == 4 + PROBE_DEPTH
+    assert [h for _, h in cheap.chain_depths][-1] == 6
+    dear = gate_with(2.0 * _DEEP_LEVEL_SHARE * step)
+    assert not dear.deep_levels_cheap() and dear.chain_limit() == 4
+    assert [h for _, h in dear.chain_depths] == [1, 2, 3, 4]
+    dear.observe("plain", 1, 0.004)
+    for _ in range(20):  # every token accepted: deeper would rank first if it were ranked
+        dear.observe("chain:2", 3, 0.0045, nodes=2, accepted=2)
+    assert dear.best() == "chain:4"
+
+
 def test_a_deep_chain_forecast_just_ahead_of_the_best_runs_until_priced_by_its_own_cycles(monkeypatch):
     """Past ``open_depth`` a chain the fits put ahead of the best by less than the switching margin never runs on
     their word, so their price of it is never corrected (H100 twin, GSM8K, half cache: the gate sat on 12-token

@@ -24,7 +24,8 @@ level's and a verified token's cost (linear in the levels: the guess that gets a
 tried, whose own cycles then correct it); beyond the deepest chain priced by its own cycles,
 by that chain's price plus the fits' extra levels, since the fits' fixed part is what they get
 wrong, verifying the share of its nodes that chain did.  Chains past ``open_depth`` levels (10)
-are ranked only as a chain that leads climbs there (:meth:`DraftingGate.chain_limit`).  The tree's
+are ranked only as a chain that leads climbs there, and only where a draft level is cheap against a
+verify (:meth:`DraftingGate.chain_limit`).  The tree's
 tokens are its own, scaled down (never
 up) by how much the chains' acceptance fell since its cycles ran.
 
@@ -253,6 +254,7 @@ def forget_drafting() -> None:
 
 LOOKUP = "lookup"  # a cycle verifying a prompt-lookup chain (no draft forward; not ranked: chosen per cycle)
 _MAX_CHAIN = MAX_CHAIN  # longest fixed chain a gate may rank (sizes the per-depth figures)
+_DEEP_LEVEL_SHARE = 0.05  # chains climb past open_depth only where a draft level costs less (deep_levels_cheap)
 PROBE_DEPTH = 2  # levels a probe drafts beyond the ones it verifies (see DraftingGate._worth_exploring)
 _BURST = 2  # cycles of a kind per measurement burst
 _KIND_EMA = 0.15  # weight of a kind's newest cycle in its decayed sums (~7 cycles of memory)
@@ -401,7 +403,8 @@ class DraftingGate:
 
     def chain_limit(self) -> int:
         """The deepest chain ranked now: :attr:`open_depth`, or :data:`PROBE_DEPTH` beyond the deepest chain
-        that has led for :data:`_LEAD_CYCLES` cycles, whichever is more.
+        that has led for :data:`_LEAD_CYCLES` cycles, whichever is more (the latter only where draft levels
+        are cheap: :meth:`deep_levels_cheap`).
 
         A chain's tokens come from the acceptance of each of its depths; past the depths that chains
         and their probes reach, that is the deepest measured depth's rate carried on, a guess.  Up to
@@ -415,7 +418,29 @@ class DraftingGate:
         chain that led at all: Mixtral 4090 twin, GSM8K at 25 % cache, 0.92x: a lucky stretch of
         accepted chains climbed to 15 levels, then the text changed.)
         """
+        if not self.deep_levels_cheap():
+            return self.open_depth
         return max(self.open_depth, self.state.deepest_led + PROBE_DEPTH)
+
+    def deep_levels_cheap(self) -> bool:
+        """Whether chains may climb past :attr:`open_depth`: a draft level (its forward and its node) costs
+        under :data:`_DEEP_LEVEL_SHARE` of a one-token verify's compute, as fitted (``True`` before both fits).
+
+        A level past ten adds a quarter of a token a cycle (GSM8K, fixed 10-, 12- and 14-token chains in one
+        job: 0.25-0.28), where a 10-level chain commits about six for ``1 + 10 r`` one-token verifies' worth of
+        compute (``r`` this share): the extra level pays while ``0.25 / r > 6 / (1 + 10 r)``, ``r`` under ~0.07,
+        before the experts its node loads.  On the eager twins a level costs 0.015-0.03 of a verify and the
+        16-level chain leads GSM8K; on this project's CPU 0.09-0.12 and on the 4090 ``+graphs`` twin 0.08, where
+        the 10-level chain leads and the gate's per-depth acceptance, which overstates what deeper levels add
+        (rejections cluster), climbed to 13-16 levels (CPU pairs, 14, SpecFit ÷ the best fixed chain new ÷ old:
+        geo-mean 1.03; twins with host time frozen unchanged but the ``+graphs`` twin, GSM8K 1.008, CNN/DM 0.995).
+        """
+        draft, verify = self.state.draft, self.state.verify
+        if draft.t_level is None or verify is None:
+            return True
+        fit = verify.last_fit
+        step = fit.t0 + fit.t_token
+        return step <= 0.0 or draft.t_level + draft.t_node < _DEEP_LEVEL_SHARE * step
 
     def start_call(self) -> None:
         """A ``generate`` call starts: its cycles are counted from 0 (:meth:`choose`'s cold-cache wait).
