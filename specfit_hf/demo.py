@@ -69,7 +69,7 @@ def _print_table(title: str, rows: list[dict[str, Any]]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns 1 if a policy's greedy output differs from plain decoding."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per dataset")
     parser.add_argument("--tune-prompts", type=int, default=1,
                         help=f"other prompts per dataset to pick the best static tree on (0: fixed {FIXED_STATIC})")
     # 128 new tokens, as `specfit bench`: in 64-token answers a generation's opening (its first ~24 tokens,
