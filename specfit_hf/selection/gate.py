@@ -432,8 +432,9 @@ class DraftingGate:
         before the experts its node loads.  On the eager twins a level costs 0.015-0.03 of a verify and the
         16-level chain leads GSM8K; on this project's CPU 0.09-0.12 and on the 4090 ``+graphs`` twin 0.08, where
         the 10-level chain leads and the gate's per-depth acceptance, which overstates what deeper levels add
-        (rejections cluster), climbed to 13-16 levels (CPU pairs, 14, SpecFit ÷ the best fixed chain new ÷ old:
-        geo-mean 1.03; twins with host time frozen unchanged but the ``+graphs`` twin, GSM8K 1.008, CNN/DM 0.995).
+        (rejections cluster), climbed to 13-16 levels (CPU GSM8K, SpecFit ÷ the best fixed chain, old / new / new /
+        old on one core, 8 cells: new ÷ old 0.951-1.117, geo-mean 1.045; twins with host time frozen unchanged but
+        the ``+graphs`` twin, GSM8K 1.008, CNN/DM 0.995; docs/acceptance).
         """
         draft, verify = self.state.draft, self.state.verify
         if draft.t_level is None or verify is None:
