@@ -256,6 +256,8 @@ class Selection:
     # the same, copied during the verify instead: each layer's pairs as the layer before it starts
     # computing (``OffloadRuntime.prefetch_ahead``); ``None``: none.
     prefetch_ahead: np.ndarray | None = None
+    # ``[K, 2]`` pairs alike: residents the copies must not evict (the verify is predicted to use them)
+    keep_resident: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.nodes.numel())

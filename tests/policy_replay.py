@@ -6,9 +6,9 @@ every duration comes from a fixed timing model on :func:`specfit_hf.clock.simula
 a draft step ``T_DRAFT``, an expert load ``T_EXPERT`` on a virtual emulated link, and
 the policy's own work costs nothing.  The same code then takes the same decisions on
 any machine, so a trace recorded once pins the policy's behaviour: every selection
-(nodes, stop flag, whether it is the prompt-lookup chain, the experts to prefetch, predicted
-figures) of every draft level of every cycle, and the generated tokens, and the drafting plan
-(nodes to expand, children each).
+(nodes, stop flag, whether it is the prompt-lookup chain, the experts to prefetch and the
+residents to keep, predicted figures) of every draft level of every cycle, and the generated
+tokens, and the drafting plan (nodes to expand, children each).
 
     python tests/policy_replay.py --write     # re-record after an intended behaviour change
 """
@@ -50,7 +50,7 @@ class _RecordingSpecFit(SpecFitPolicy):
     def select(self, tree, ctx):
         sel = super().select(tree, ctx)
         expand = None if sel.expand is None else sel.expand.tolist()
-        prefetch = [None if p is None else p.tolist() for p in (sel.prefetch, sel.prefetch_ahead)]
+        prefetch = [None if p is None else p.tolist() for p in (sel.prefetch, sel.prefetch_ahead, sel.keep_resident)]
         _SELECTIONS.append([len(tree), sel.nodes.tolist(), bool(sel.stop), expand, sel.children, bool(sel.lookup),
                             prefetch, float(sel.expected_tokens), float(sel.predicted_time)])
         return sel

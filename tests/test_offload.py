@@ -589,6 +589,16 @@ def test_lfu_evicts_least_used():
     assert lru.resident() == {1, 4, 5}  # 0 (tick 3) older than 1 (tick 4)
 
 
+def test_assign_keeps_the_residents_it_is_told_to_and_refuses_when_none_is_left_to_evict():
+    lru = ExpertCache(num_experts=6, num_slots=3, policy="lru")
+    for t, needed in enumerate(([0], [1], [2]), 1):
+        lru.assign(np.array(needed), t)
+    lru.assign(np.array([4]), 4, keep=np.array([0, 5]))  # 0 is the oldest, but kept (5: not resident, ignored)
+    assert lru.resident() == {0, 2, 4}
+    with pytest.raises(ValueError, match="keeping 2 residents"):
+        lru.assign(np.array([1, 3]), 5, keep=np.array([0, 2]))
+
+
 # ---------------------------------------------------------------------- errors
 def _untouched(model, params_before):
     assert get_runtime(model) is None
@@ -967,6 +977,43 @@ def test_prefetch_checks_its_pairs_and_frozen_forwards_do_not_wait():
             assert clock() == start
     finally:
         runtime.detach()
+
+
+def test_prefetch_keeps_named_residents_and_takes_only_the_slots_they_leave():
+    """A copy into a full layer evicts a resident: ``keep`` names those the next forward needs, and a layer takes
+    only as many copies as its other slots hold (here one of TOP_K)."""
+    with _behind_a_link() as (model, runtime, each, needed):
+        model(PROMPT[:, :1])  # every layer's TOP_K slots hold the routed experts
+        first = needed[needed[:, 0] == 0, 1]
+        others = np.array([e for e in range(NUM_EXPERTS) if e not in first])
+        kept = np.array([[0, first[0]]])
+        assert runtime.prefetch(np.array([[0, e] for e in others]), keep=kept) == TOP_K - 1
+        assert first[0] in runtime.cached_experts(runtime.moe_layers[0])
+        # a layer whose residents are all kept takes no copy; without keep the same copies evict
+        assert runtime.prefetch(np.array([[1, e] for e in range(NUM_EXPERTS)]), keep=needed) == 0
+        assert runtime.prefetch(np.array([[1, e] for e in range(NUM_EXPERTS)])) == TOP_K
+        with pytest.raises(ValueError, match="expert ids"):
+            runtime.prefetch(np.array([[1, 0]]), keep=np.array([[1, NUM_EXPERTS]]))
+
+
+def test_prefetches_used_count_those_a_forwards_first_row_used_first():
+    """``first_row_prefetches_used``: of the prefetched experts a forward used, those its root (row 0) was the
+    first to route to (a plain step in its place would have loaded them)."""
+    x = PROMPT[:, :2]
+    with _behind_a_link() as (model, runtime, each, _):
+        model(x)
+        rows = [runtime.last_routing(layer).numpy() for layer in runtime.moe_layers]
+        root = [set(r[0].tolist()) for r in rows]
+        second = np.array([(p, e) for p, r in enumerate(rows) for e in sorted(set(r[1].tolist()) - root[p])])
+        firsts = np.array([(p, e) for p, r in enumerate(root) for e in sorted(r)])
+        for pairs, by_root in ((firsts, len(firsts)), (second, 0)):
+            runtime.flush()
+            runtime.reset_stats()
+            assert runtime.prefetch(pairs) == len(pairs)
+            model(x)
+            total = runtime.stats.total
+            assert total.prefetches_used == len(pairs) and total.first_row_prefetches_used == by_root
+            assert total.first_row_misses == len(firsts) - by_root
 
 
 def test_prefetch_without_a_link_copies_at_once_and_counts_what_is_used():

@@ -1660,6 +1660,10 @@ def test_prefetch_plan_takes_likely_missing_experts_while_a_copy_hides_more_than
     assert prefetch_plan(rows, needed, cached, window=np.array([0.2, 0.2]), busy=0.3, each=0.1)[0].size == 0
     assert prefetch_plan(rows, needed, np.ones((2, 8), dtype=bool), window=np.array([1.0, 1.0]), busy=0.0,
                          each=0.1)[0].size == 0
+    # room: a layer takes at most that many copies, its likeliest (its other slots hold residents the verify needs)
+    plan, hidden = prefetch_plan(rows, needed, cached, window=np.array([1.0, 1.0]), busy=0.0, each=0.1,
+                                 room=np.array([1, 0]))
+    assert plan.tolist() == [[0, 2]] and hidden == pytest.approx(0.09)
 
     hits = PrefetchHits(prior=0.5, weight=2.0, decay=1.0)
     assert hits.rate == 0.5
@@ -1667,6 +1671,17 @@ def test_prefetch_plan_takes_likely_missing_experts_while_a_copy_hides_more_than
     assert hits.rate == pytest.approx(9 / 10)
     hits.observe(0, 0)  # a cycle without prefetches changes nothing
     assert hits.rate == pytest.approx(9 / 10)
+
+
+def test_predicted_residents_are_the_residents_some_row_names():
+    from specfit_hf.selection.prefetch import predicted_residents
+
+    cached = np.zeros((2, 8), dtype=bool)
+    cached[0, [1, 2]] = cached[1, 5] = True
+    rows = np.array([[[1, -1], [3, 4]],
+                     [[3, 6], [5, -1]]])
+    keep = predicted_residents(rows, cached)
+    assert np.argwhere(keep).tolist() == [[0, 1], [1, 5]]  # 2 is resident but no row names it; 3, 4, 6 are not
 
 
 def test_a_chain_stops_to_prefetch_while_the_copies_are_worth_the_stops_host_time():

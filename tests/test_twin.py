@@ -233,15 +233,19 @@ def test_timeline_is_exact_on_a_simulated_clock(pair):
         runtime.detach()
 
 
-def test_specfit_prefetches_while_drafting_on_the_twin_and_stays_lossless():
+def test_specfit_prefetches_while_drafting_on_the_twin_and_stays_lossless(monkeypatch):
     """On the 4090 twin (host time frozen) the shipped pair's chains copy the experts their heads guess while
-    the other levels are drafted: prefetches happen, most are used, and the output is the target's own."""
+    the other levels are drafted: prefetches happen, most are used, and the output is the target's own.  The
+    drafting gate counts a copy the verify used as one of the cycle's loads (and its root's: a plain step in the
+    cycle's place copies nothing ahead), the cycle record only what was loaded on the verify's path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specfit_hf.clock import simulated
     from specfit_hf.eagle3 import Eagle3DraftModel
     from specfit_hf.embedded import embedded_pair
     from specfit_hf.generation import SpecFitConfig
+    from specfit_hf.selection.gate import DraftingGate
+    from specfit_hf.selection.specfit import SpecFitPolicy
 
     paths = embedded_pair()
     if not (paths.target / "config.json").is_file() or not (paths.draft / "config.json").is_file():
@@ -254,7 +258,26 @@ def test_specfit_prefetches_while_drafting_on_the_twin_and_stays_lossless():
     prompts = [tokenizer(q, return_tensors="pt").input_ids for q in questions]
     refs = [target.generate(ids, max_new_tokens=48, do_sample=False) for ids in prompts]
     counts = {}
+    seen = {"record": [0, 0], "gate": [0, 0]}  # loads, root loads
+    gate_observe, policy_observe = DraftingGate.observe, SpecFitPolicy.observe
+
+    def count(key, loads, root):
+        if loads is not None and root is not None:
+            seen[key][0] += loads
+            seen[key][1] += root
+
+    def spy_gate(self, kind, tokens, seconds, loads=None, root_loads=None, *args, **kwargs):
+        count("gate", loads, root_loads)
+        return gate_observe(self, kind, tokens, seconds, loads, root_loads, *args, **kwargs)
+
+    def spy_policy(self, tree, selection, result, record):
+        count("record", record.experts_loaded, record.root_experts_loaded)
+        return policy_observe(self, tree, selection, result, record)
+
+    monkeypatch.setattr(DraftingGate, "observe", spy_gate)
+    monkeypatch.setattr(SpecFitPolicy, "observe", spy_policy)
     for prefetch in (True, False):
+        seen.update(record=[0, 0], gate=[0, 0])
         runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
         try:
             with TwinTimeline(RTX4090, target, draft), simulated():
@@ -262,14 +285,17 @@ def test_specfit_prefetches_while_drafting_on_the_twin_and_stays_lossless():
                                     policy_kwargs={"prefetch": prefetch, "share_drafting": False,
                                                    "share_acceptance": False})
                 for ids, ref in zip(prompts, refs):
+                    runtime.flush()  # (a copy the next prefill used would be in no cycle)
                     assert torch.equal(target.generate(ids, assistant_model=draft, generation_config=cfg), ref)
             total = runtime.stats.total
-            counts[prefetch] = (total.prefetches, total.prefetches_used)
+            counts[prefetch] = (total.prefetches, total.prefetches_used, total.first_row_prefetches_used)
+            copied = [seen["gate"][i] - seen["record"][i] for i in (0, 1)]
+            assert copied == [total.prefetches_used, total.first_row_prefetches_used]
         finally:
             runtime.detach()
-    assert counts[False] == (0, 0)
-    issued, used = counts[True]
-    assert issued > 0 and used >= issued // 2
+    assert counts[False] == (0, 0, 0)
+    issued, used, by_roots = counts[True]
+    assert issued > 0 and used >= issued // 2 and 0 < by_roots <= used
 
 
 def test_twin_target_layers_overlap_copies_prefetched_before_the_forward(pair):

@@ -253,9 +253,9 @@ class TreeCandidateGenerator(CandidateGenerator):
                 # the experts the verify is predicted to need move while the next levels are drafted, or
                 # while the verify computes the layers before theirs
                 if selection.prefetch is not None:
-                    self.runtime.prefetch(selection.prefetch)
+                    self.runtime.prefetch(selection.prefetch, selection.keep_resident)
                 if selection.prefetch_ahead is not None:
-                    self.runtime.prefetch_ahead(selection.prefetch_ahead)
+                    self.runtime.prefetch_ahead(selection.prefetch_ahead, selection.keep_resident)
             if len(tree) == size_before:  # the drafter has nothing more to add
                 break
         candidates = layout_candidates(

@@ -58,12 +58,14 @@ class ExpertCache:
         self.expert_in_slot.fill(-1)
         self.last_use.fill(0)
 
-    def assign(self, needed: np.ndarray, tick: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def assign(self, needed: np.ndarray, tick: int,
+               keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Make ``needed`` (unique expert ids, at most ``num_slots``) resident.
 
         Returns ``(slots, load_experts, load_slots)``: the slot of each needed expert, and
         the experts to copy in with their destination slots (the misses).  The bookkeeping
-        is updated as if those loads have happened.
+        is updated as if those loads have happened.  ``keep``: expert ids that are not evicted
+        either, if resident (a prefetch keeps the residents the forward it prepares will use).
         """
         if len(needed) > self.num_slots:
             raise ValueError(f"{len(needed)} experts cannot be resident in {self.num_slots} slots at once")
@@ -73,6 +75,12 @@ class ExpertCache:
             load_experts = needed[miss]
             evictable = np.ones(self.num_slots, dtype=bool)
             evictable[slots[~miss]] = False
+            if keep is not None and len(keep):
+                kept = self.slot_of[keep]
+                evictable[kept[kept >= 0]] = False
+                if np.count_nonzero(evictable) < len(load_experts):
+                    raise ValueError(f"{len(load_experts)} experts cannot be loaded into {self.num_slots} slots "
+                                     f"keeping {np.count_nonzero(kept >= 0)} residents and {len(needed)} needed")
             candidates = np.flatnonzero(evictable)
             occupant = self.expert_in_slot[candidates]
             occupied = occupant >= 0

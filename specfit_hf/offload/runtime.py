@@ -303,8 +303,9 @@ class OffloadRuntime:
         # issued since the last flush (forwards check their slots' arrivals only then)
         self._link_free = -np.inf
         self._prefetch_pending = False
-        # prefetch_ahead's schedule for the next forward: layer position -> experts, and each layer's position
-        self._ahead: dict[int, np.ndarray] = {}
+        # prefetch_ahead's schedule for the next forward: layer position -> (experts, residents kept), and each
+        # layer's position
+        self._ahead: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         self._position = {layer.layer_idx: i for i, layer in enumerate(layers)}
 
     @property
@@ -346,6 +347,10 @@ class OffloadRuntime:
     def resident_mask(self, layer_idx: int) -> torch.Tensor:
         """Bool [num_experts] (CPU): True where the expert is resident in that layer's cache now."""
         return torch.from_numpy(self._layer(layer_idx).cache.slot_of >= 0)
+
+    def slot_counts(self) -> np.ndarray:
+        """``[L]`` int: device slots of every MoE layer's cache, layers in ``moe_layers`` order."""
+        return np.array([layer.cache.num_slots for layer in self._layers.values()], dtype=np.int64)
 
     def resident_masks(self) -> np.ndarray:
         """Bool ``[L, E]`` (numpy, a copy): residents of every MoE layer's cache now, layers in ``moe_layers`` order."""
@@ -393,65 +398,78 @@ class OffloadRuntime:
         """Seconds until the emulated link has finished the prefetches queued on it (0 when idle; CUDA: 0)."""
         return max(0.0, float(self._link_free) - clock())
 
-    def prefetch(self, experts: np.ndarray) -> int:
+    def prefetch(self, experts: np.ndarray, keep: np.ndarray | None = None) -> int:
         """Start copying ``experts`` in, ahead of the forward that will need them; returns how many were copied.
 
         ``experts``: ``[P, 2]`` int pairs (position of the layer in :attr:`moe_layers`, expert id) in the
-        order to copy them.  Experts already resident are skipped, and at most a layer's slot count
-        is taken per layer.  The experts are resident at once (each evicts by the cache policy, never
-        another of this call's experts); the copies overlap whatever the host does next: on CUDA
-        they run on the copy stream, on an emulated link they occupy the link for their duration
-        from now (after the copies already queued), and the first forward to compute with one
-        waits for it (:meth:`_prepare`).  Without a link on the CPU the copy is done here.
+        order to copy them.  Experts already resident are skipped.  The experts are resident at once, each
+        evicting by the cache policy, but never another of this call's experts nor a resident named in
+        ``keep`` (``[K, 2]`` pairs alike: the residents the next forward is predicted to use), so a layer
+        takes at most as many copies as its slots minus its kept residents.  The copies overlap whatever
+        the host does next: on CUDA they run on the copy stream, on an emulated link they occupy the link
+        for their duration from now (after the copies already queued), and the first forward to compute
+        with one waits for it (:meth:`_prepare`).  Without a link on the CPU the copy is done here.
         """
-        pairs = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
+        pairs = self._check_pairs(experts)
         if pairs.shape[0] == 0:
             return 0
+        keep = None if keep is None else self._check_pairs(keep)
         layers = list(self._layers.values())
-        if pairs[:, 0].min() < 0 or pairs[:, 0].max() >= len(layers):
-            raise ValueError(f"prefetch layer positions must be in [0, {len(layers)}), got {pairs[:, 0].tolist()}")
-        if pairs[:, 1].min() < 0 or pairs[:, 1].max() >= self.num_experts:
-            raise ValueError(f"prefetch expert ids must be in [0, {self.num_experts}), got {pairs[:, 1].tolist()}")
         self._tick += 1
         issued = 0
         pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]  # layer by layer, each layer's in the given order
         for position in np.unique(pairs[:, 0]).tolist():
             layer = layers[position]
+            cache = layer.cache
+            kept = None if keep is None else keep[keep[:, 0] == position, 1]
+            room = cache.num_slots - (0 if kept is None else int(np.count_nonzero(cache.slot_of[kept] >= 0)))
             wanted = pairs[pairs[:, 0] == position, 1]
             wanted = wanted[np.sort(np.unique(wanted, return_index=True)[1])]  # first mention wins
-            wanted = wanted[layer.cache.slot_of[wanted] < 0][: layer.cache.num_slots]
+            wanted = wanted[cache.slot_of[wanted] < 0][: max(room, 0)]
             if wanted.size == 0:
                 continue
-            _, load_experts, load_slots = layer.cache.assign(np.sort(wanted), self._tick)
+            _, load_experts, load_slots = cache.assign(np.sort(wanted), self._tick, keep=kept)
             by_slot = dict(zip(load_experts.tolist(), load_slots.tolist()))
             slots = np.array([by_slot[e] for e in wanted.tolist()], dtype=np.int64)
             self._copy_ahead(layer, wanted, slots)
             issued += int(wanted.size)
         return issued
 
-    def prefetch_ahead(self, experts: np.ndarray) -> None:
+    def _check_pairs(self, experts: np.ndarray) -> np.ndarray:
+        """``experts`` as ``[P, 2]`` int64 (layer position, expert id) pairs, checked."""
+        pairs = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
+        if pairs.shape[0] == 0:
+            return pairs
+        if pairs[:, 0].min() < 0 or pairs[:, 0].max() >= len(self._layers):
+            raise ValueError(f"prefetch layer positions must be in [0, {len(self._layers)}), "
+                             f"got {pairs[:, 0].tolist()}")
+        if pairs[:, 1].min() < 0 or pairs[:, 1].max() >= self.num_experts:
+            raise ValueError(f"prefetch expert ids must be in [0, {self.num_experts}), got {pairs[:, 1].tolist()}")
+        return pairs
+
+    def prefetch_ahead(self, experts: np.ndarray, keep: np.ndarray | None = None) -> None:
         """Copy ``experts`` (``[P, 2]`` pairs as in :meth:`prefetch`) during the next forward, each layer's as the
         layer before it starts computing (after that layer's own loads), so a load the next forward needs
         never waits behind a copy for a later layer.  Pairs of the first MoE layer are copied now.
-        Replaces any schedule not yet used.
+        ``keep``: as in :meth:`prefetch`.  Replaces any schedule not yet used.
         """
-        pairs = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
+        pairs = self._check_pairs(experts)
+        keep = None if keep is None else self._check_pairs(keep)
         self._ahead = {}
         if pairs.shape[0] == 0:
             return
         first = pairs[:, 0] == 0
         if first.any():
-            self.prefetch(pairs[first])
+            self.prefetch(pairs[first], keep)
         for position in np.unique(pairs[~first, 0]).tolist():
-            if not 0 < position < len(self._layers):
-                raise ValueError(f"prefetch layer positions must be in [0, {len(self._layers)}), got {position}")
-            self._ahead[position] = pairs[pairs[:, 0] == position]
+            self._ahead[position] = (pairs[pairs[:, 0] == position],
+                                     None if keep is None else keep[keep[:, 0] == position])
 
     def _copy_next(self, layer: _MoELayer) -> None:
         """A forward reached ``layer``: start the copies scheduled for the next MoE layer."""
-        pairs = self._ahead.pop(self._position[layer.layer_idx] + 1, None)
-        if pairs is not None:
-            self.prefetch(pairs)
+        scheduled = self._ahead.pop(self._position[layer.layer_idx] + 1, None)
+        if scheduled is not None:
+            self.prefetch(*scheduled)
 
     def _copy_ahead(self, layer: _MoELayer, experts: np.ndarray, slots: np.ndarray) -> None:
         """The copies of :meth:`prefetch` for one layer (slots already assigned)."""
@@ -504,32 +522,43 @@ class OffloadRuntime:
         layer_stats.wait_seconds += until - now
         self._stats.total.wait_seconds += until - now
 
-    def _arrivals(self, layer: _MoELayer, slots: np.ndarray, load_slots: np.ndarray) -> None:
+    def _arrivals(self, layer: _MoELayer, slots: np.ndarray, load_slots: np.ndarray,
+                  root: np.ndarray | None = None) -> None:
         """Before a forward computes with ``slots``: count the prefetched ones it uses and wait for any
         still on their way.  ``load_slots``: the slots this forward loads into (a prefetched expert there
-        was evicted unused)."""
+        was evicted unused); ``root``: per slot, whether the forward's first row routed to it first
+        (``None``: a one-row forward, all of them)."""
         if load_slots.size:
             layer.ready_at[load_slots] = -np.inf
             for s in load_slots.tolist():
                 layer.ready_events.pop(s, None)
         if layer.ready_events:
             compute = torch.cuda.current_stream(self.device)
-            for s in slots.tolist():
+            used = np.zeros(len(slots), dtype=bool)
+            for i, s in enumerate(slots.tolist()):
                 event = layer.ready_events.pop(s, None)
                 if event is not None:
                     compute.wait_event(event)
-                    layer.stats.prefetches_used += 1
-                    self._stats.total.prefetches_used += 1
+                    used[i] = True
+            self._count_used(layer, used, root)
             return
         ready = layer.ready_at[slots]
         arrived = ready > -np.inf
         if not arrived.any():
             return
-        used = int(np.count_nonzero(arrived))
-        layer.stats.prefetches_used += used
-        self._stats.total.prefetches_used += used
+        self._count_used(layer, arrived, root)
         self._wait(float(ready.max()), layer.stats)
         layer.ready_at[slots] = -np.inf
+
+    def _count_used(self, layer: _MoELayer, used: np.ndarray, root: np.ndarray | None) -> None:
+        """Count the prefetched experts a forward used (``used``: per slot), and those its first row used first."""
+        n = int(np.count_nonzero(used))
+        if not n:
+            return
+        first = n if root is None else int(np.count_nonzero(used & root))
+        for stats in (layer.stats, self._stats.total):
+            stats.prefetches_used += n
+            stats.first_row_prefetches_used += first
 
     def flush(self) -> None:
         """Drop every resident expert of every layer: the next use of any expert misses."""
@@ -639,7 +668,7 @@ class OffloadRuntime:
             loaded_rows = None if first_row is None else first_row[np.searchsorted(needed, load_experts)]
             self._count(layer, num_needed - len(load_experts), len(load_experts), first_row, loaded_rows)
             if self._prefetch_pending:
-                self._arrivals(layer, slots, load_slots)
+                self._arrivals(layer, slots, load_slots, None if first_row is None else first_row == 0)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
             if not _in_id_order(slots):
@@ -679,7 +708,7 @@ class OffloadRuntime:
             positions = np.sort(positions)  # ascending expert id inside the wave
             slots, load_experts, load_slots = cache.assign(needed[positions], tick)
             if self._prefetch_pending:
-                self._arrivals(layer, slots, load_slots)
+                self._arrivals(layer, slots, load_slots, None if first_row is None else first_row[positions] == 0)
             if len(load_experts):
                 self._load(layer, load_experts, load_slots)
             if not _in_id_order(slots):

@@ -24,6 +24,7 @@ class TransferStats:
     first_row_misses: int = 0  # of the misses, those the forward's first row routed to (its root)
     prefetches: int = 0  # experts copied ahead of use (``OffloadRuntime.prefetch``): not misses, in bytes_h2d
     prefetches_used: int = 0  # of those, the ones a forward routed to before they were evicted
+    first_row_prefetches_used: int = 0  # of those, the ones the forward's first row (its root) routed to first
     wait_seconds: float = 0.0  # forwards and loads waiting for prefetches still on the link
 
     @property

@@ -47,6 +47,10 @@ class ExpertCacheView:
         """``[L, E]`` bool: experts resident in the device cache now."""
         return self._runtime.resident_masks()
 
+    def slots(self) -> np.ndarray:
+        """``[L]`` int: device slots of each MoE layer's cache."""
+        return self._runtime.slot_counts()
+
     def last_routing(self, rows: int | None = None) -> np.ndarray | None:
         """``[T, L, k]`` experts the last target forward routed each row to.
 
@@ -103,10 +107,11 @@ class ExpertCacheView:
         """Seconds until the emulated link has finished the prefetches queued on it (0 when idle or unknown)."""
         return self._runtime.link_busy_seconds()
 
-    def prefetches(self) -> tuple[int, int]:
-        """Experts prefetched so far, and of those the ones a forward used: cycles difference them."""
+    def prefetches(self) -> tuple[int, int, int]:
+        """Experts prefetched so far, of those the ones a forward used, and of these the ones a forward's first
+        row (its root) was the first to use: cycles difference them."""
         total = self._runtime.stats.total
-        return int(total.prefetches), int(total.prefetches_used)
+        return int(total.prefetches), int(total.prefetches_used), int(total.first_row_prefetches_used)
 
     def transfer_seconds(self) -> float | None:
         """Seconds one expert load takes on the emulated link, or ``None`` without one."""

@@ -15,17 +15,34 @@ compute.  A copy started ``x`` seconds before its layer needs it hides ``min(x, 
 duration ``d`` if the verify needs that expert (probability ``p``) and, if it does not, makes the
 verify's own loads wait ``max(0, d - x)`` behind it on the link: :func:`prefetch_plan` takes the
 predicted experts while ``p min(x, d) > (1 - p) max(0, d - x)``.
+
+A copy into a full layer evicts a resident.  Where that resident is one the verify is predicted to
+use, the verify copies it back on its path: the copy hid one load and made another, and took the
+link.  So the residents the verify is predicted to use are kept (:func:`predicted_residents`, the
+runtime's ``keep``), and a layer takes at most as many copies as its other slots hold.  Without
+this, on the CPU at a quarter cache (emulated ``qwen3-pcie4``, GSM8K, 8 prompts, every cycle a
+10-token chain) the copies that were used saved 128 loads for 402 copies, and the chain cycles ran
+at 72.0 ms against 69.5 ms copying nothing; keeping them, 67.8 ms.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DraftingStops", "PrefetchHits", "prefetch_plan"]
+__all__ = ["DraftingStops", "PrefetchHits", "predicted_residents", "prefetch_plan"]
+
+
+def predicted_residents(rows: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    """``[L, E]`` bool: the residents (``cached``) that ``rows`` (``[R, L, k]`` predicted experts, -1: none) name."""
+    named = np.zeros_like(cached)
+    _, layer, _ = np.nonzero(rows >= 0)
+    named[layer, rows[rows >= 0]] = True
+    return named & cached
 
 
 def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, window: np.ndarray, busy: float,
-                  each: float, layer_by_layer: bool = False) -> tuple[np.ndarray, float]:
+                  each: float, layer_by_layer: bool = False,
+                  room: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """The ``[P, 2]`` (layer position, expert) pairs worth copying now, in copy order, and the seconds of
     transfers they are expected to take off the verify's path.
 
@@ -44,6 +61,8 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
         layer_by_layer: each layer's copies start when its ``window`` opens, on an idle link
             (:meth:`~specfit_hf.offload.OffloadRuntime.prefetch_ahead`): ``window`` is then each
             layer's time from the start of its copies to its need.
+        room: ``[L]`` the most copies each layer may take (its slots that hold no resident the verify
+            is predicted to use); ``None``: no limit.
     """
     taken: list[tuple[int, int]] = []
     hidden, start = 0.0, busy  # start: when the next copy would start, from now
@@ -63,16 +82,18 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
     layer, expert = layer[first], expert[first]
     order = np.lexsort((first, -p, layer))
     limits = window.tolist()
+    left = [np.inf] * cached.shape[0] if room is None else room.tolist()  # copies each layer may still take
     # a few dozen candidates: host loops cost less than array calls here (this runs every chain cycle)
     current = -1
     for layer_, expert_, p_ in zip(layer[order].tolist(), expert[order].tolist(), p[order].tolist()):
         if layer_by_layer and layer_ != current:
             current, start = layer_, 0.0
         ahead = limits[layer_] - start
-        if p_ * min(ahead, each) > (1.0 - p_) * max(0.0, each - ahead):
+        if left[layer_] > 0 and p_ * min(ahead, each) > (1.0 - p_) * max(0.0, each - ahead):
             taken.append((layer_, expert_))
             hidden += p_ * min(ahead, each)
             start += each
+            left[layer_] -= 1
     return np.array(taken, dtype=np.int64).reshape(-1, 2), hidden
 
 

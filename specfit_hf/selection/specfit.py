@@ -60,7 +60,7 @@ from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
-from .prefetch import DraftingStops, PrefetchHits, prefetch_plan
+from .prefetch import DraftingStops, PrefetchHits, predicted_residents, prefetch_plan
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
@@ -175,7 +175,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.prefetch_hits = PrefetchHits()
         self.drafting_stops = DraftingStops()
         self._stopping = False  # this chain cycle drafts its first level alone, to start its guessed copies
-        self._prefetch_counts = (0, 0)  # the runtime's (prefetches, used) when last observed
+        self._prefetch_counts = (0, 0, 0)  # the runtime's (prefetches, used, used by a root) when last observed
 
     # -------------------------------------------------------------- lifecycle
     def reset(self, ctx: CycleContext) -> None:
@@ -264,10 +264,10 @@ class SpecFitPolicy(SelectionPolicy):
                 started = clock()
                 draft = self.gate.state.draft
                 drafting = None if draft.t_level is None else (levels - 1) * (draft.t_level + draft.t_node)
-                pairs, hidden = self._prefetch(tree, levels, drafting)
+                pairs, hidden, keep = self._prefetch(tree, levels, drafting)
                 self.drafting_stops.observe(hidden, clock() - started)
                 return Selection(nodes=nodes, stop=False, expand=_last(n), children=1, levels=levels - 1,
-                                 prefetch=pairs)
+                                 prefetch=pairs, keep_resident=keep)
             return Selection(nodes=nodes, stop=False, expand=_last(n), children=1)
         figures = self.gate.ranked_figures().get(self._kind)
         missing = self._chain_missing(tree)  # read once: the forecast and the prefix search both price with it
@@ -278,18 +278,18 @@ class SpecFitPolicy(SelectionPolicy):
             nodes = _prefix(h)
         else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
-        ahead = None
+        ahead = keep = None
         if self._prefetching():  # the verified prefix's guessed experts move while the verify's layers compute
             # The forecast keeps its loads: its fits learn from what cycles really loaded, which a copy used in
             # time is not (taking the copies' seconds off too counted them twice: chain cycles forecast up to
             # 11 % short at a quarter cache).  Reading ``model`` refits the verification fit when due; in a run
             # of fixed chains this read is what renews the fit the gate and the prefix search use.
             verify = self.costs.model
-            ahead = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
-                                   layer_by_layer=True)[0]
+            ahead, _, keep = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
+                                            layer_by_layer=True)
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True,
-                         prefetch_ahead=ahead)
+                         prefetch_ahead=ahead, keep_resident=keep)
 
     def _best_prefix(self, tree: DraftTree, n: int, expected: float, seconds: float,
                      missing: np.ndarray | None) -> tuple[int, float, float]:
@@ -339,9 +339,10 @@ class SpecFitPolicy(SelectionPolicy):
                 and view.can_prefetch())
 
     def _prefetch(self, tree: DraftTree, verified: int, seconds: float | None,
-                  layer_by_layer: bool = False) -> tuple[np.ndarray | None, float]:
-        """The experts of a chain's root and first ``verified`` nodes worth copying ahead of the verify, and the
-        transfer seconds they are expected to hide (:func:`~.prefetch.prefetch_plan`): ``(None, 0)`` when none is.
+                  layer_by_layer: bool = False) -> tuple[np.ndarray | None, float, np.ndarray | None]:
+        """The experts of a chain's root and first ``verified`` nodes worth copying ahead of the verify, the
+        transfer seconds they are expected to hide (:func:`~.prefetch.prefetch_plan`), and the residents the
+        copies must not evict (those the same rows are predicted to use): ``(None, 0, None)`` when none is.
 
         Their predicted experts that are not resident, each needed with the prefetches' measured hit rate
         (a node's also times the chance it is reached), taken while a copy is predicted to hide more
@@ -353,7 +354,7 @@ class SpecFitPolicy(SelectionPolicy):
         """
         predicted = self.forecast.nodes(tree, np.arange(len(tree)))
         if predicted is None or seconds is None:
-            return None, 0.0
+            return None, 0.0, None
         nodes, root = predicted
         view = self.forecast.experts
         each = view.transfer_seconds() or self.costs.t_expert
@@ -366,13 +367,15 @@ class SpecFitPolicy(SelectionPolicy):
         depths = self.gate.depth_acceptance()  # a chain's nodes are reached with the chains' per-depth rates
         reach = self.acceptance.path(tree)[:verified] if depths is None else np.cumprod(depths[:verified])
         needed = self.prefetch_hits.rate * np.concatenate(([1.0], reach))
-        pairs, hidden = prefetch_plan(np.concatenate([root[None], nodes[:verified]]), needed, self.forecast.cached,
-                                      window, 0.0 if layer_by_layer else view.link_busy_seconds(), each,
-                                      layer_by_layer)
+        rows, cached = np.concatenate([root[None], nodes[:verified]]), self.forecast.cached
+        keep = predicted_residents(rows, cached)
+        pairs, hidden = prefetch_plan(rows, needed, cached, window,
+                                      0.0 if layer_by_layer else view.link_busy_seconds(), each, layer_by_layer,
+                                      room=view.slots() - keep.sum(axis=1))
         if pairs.size == 0:
-            return None, 0.0
+            return None, 0.0, None
         self.forecast.assume_resident(pairs)
-        return pairs, hidden
+        return pairs, hidden, np.argwhere(keep)
 
     def _chain_missing(self, tree: DraftTree) -> np.ndarray | None:
         """The forecast's misses of the root plus each prefix of ``tree`` if it is a chain, else ``None``."""
@@ -688,14 +691,25 @@ class SpecFitPolicy(SelectionPolicy):
             added = None if predicted is None else predicted - self.forecast.root_missing(tree)
             self.forecast.observe(tree, selection)  # the predictor learns the verified routing
         root_loads = record.root_experts_loaded  # what a plain step would have loaded in this cycle's place
+        copied = copied_root = 0  # this cycle's prefetched experts its verify used, and those its root used
         if self._prefetching():
             counts = self.forecast.experts.prefetches()
-            self.prefetch_hits.observe(counts[0] - self._prefetch_counts[0], counts[1] - self._prefetch_counts[1])
+            copies, copied, copied_root = (c - b for c, b in zip(counts, self._prefetch_counts))
+            self.prefetch_hits.observe(copies, copied)
             self._prefetch_counts = counts
         self.costs.observe(tree, selection, record, added, root_loads, self._root_guess, self._context_guess)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
+            # The gate prices every kind's transfers from the loads of a plain step in its place (the root
+            # mean) and the loads a chain's nodes add: an expert a chain copied ahead and then used counts
+            # as one of its loads there, and the time its copy hid shows as a shorter cycle.  Not counted,
+            # a chain whose root's experts were copied ahead during its drafting pulled the root mean below
+            # what plain steps (which copy nothing) load, and plain decoding looked cheap: on the CPU at a
+            # quarter cache (emulated qwen3-pcie4, GSM8K) chains' roots loaded 3.5 experts against a
+            # plain step's 7.4, and the gate kept falling back to plain steps mid-answer.
+            loads = None if record.experts_loaded is None else record.experts_loaded + copied
+            root = None if root_loads is None else root_loads + copied_root
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
-                              record.cycle_seconds, record.experts_loaded, root_loads, self.costs.t_expert,
+                              record.cycle_seconds, loads, root, self.costs.t_expert,
                               record.nodes_verified, record.tokens_accepted, self._context, node_novelty(record),
                               path=self._chain_like(tree, selection))
         committed = list(result.new_tokens[: record.tokens_committed])
