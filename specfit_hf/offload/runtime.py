@@ -410,10 +410,12 @@ class OffloadRuntime:
         for their duration from now (after the copies already queued), and the first forward to compute
         with one waits for it (:meth:`_prepare`).  Without a link on the CPU the copy is done here.
         """
-        pairs = self._check_pairs(experts)
+        return self._prefetch(self._check_pairs(experts), None if keep is None else self._check_pairs(keep))
+
+    def _prefetch(self, pairs: np.ndarray, keep: np.ndarray | None) -> int:
+        """:meth:`prefetch` of pairs already checked (:meth:`_check_pairs`)."""
         if pairs.shape[0] == 0:
             return 0
-        keep = None if keep is None else self._check_pairs(keep)
         layers = list(self._layers.values())
         self._tick += 1
         issued = 0
@@ -460,7 +462,7 @@ class OffloadRuntime:
             return
         first = pairs[:, 0] == 0
         if first.any():
-            self.prefetch(pairs[first], keep)
+            self._prefetch(pairs[first], keep)
         for position in np.unique(pairs[~first, 0]).tolist():
             self._ahead[position] = (pairs[pairs[:, 0] == position],
                                      None if keep is None else keep[keep[:, 0] == position])
@@ -469,7 +471,7 @@ class OffloadRuntime:
         """A forward reached ``layer``: start the copies scheduled for the next MoE layer."""
         scheduled = self._ahead.pop(self._position[layer.layer_idx] + 1, None)
         if scheduled is not None:
-            self.prefetch(*scheduled)
+            self._prefetch(*scheduled)  # checked by prefetch_ahead
 
     def _copy_ahead(self, layer: _MoELayer, experts: np.ndarray, slots: np.ndarray) -> None:
         """The copies of :meth:`prefetch` for one layer (slots already assigned)."""
