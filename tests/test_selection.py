@@ -1258,6 +1258,31 @@ def test_drafting_cost_separates_a_cycles_first_level_from_the_levels_after_it()
     assert same.t_cycle == pytest.approx(0.0, abs=1e-6) and same.predict(2, 2) == pytest.approx(1.3e-3)
 
 
+def test_a_chain_level_is_priced_by_its_mean_where_the_fit_cannot_split_it_from_the_cycle():
+    """Chains of about one depth cannot split a level's cost from the cycle's: with the deeper ones run on a
+    quicker stretch of host time the fitted slope is 0, and deep chains would open on a host where a level
+    costs a tenth of a verify.  The chains' mean seconds per level decides (a tree's levels do not count)."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import _DEEP_LEVEL_SHARE, DraftingGate, DraftingMeasurements
+
+    state = DraftingMeasurements(interval=8)
+    state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0001, t_expert=0.0))
+    gate = DraftingGate(state, True, ["plain", *(f"chain:{h}" for h in range(1, 13)), "tree"], 8, 64,
+                        open_depth=10)
+    assert state.draft.chain_level is None
+    for _ in range(20):
+        state.draft.add(10, 10, 4.6e-3, 0.97)
+        state.draft.add(12, 12, 4.5e-3, 0.97)
+    step = 0.0041
+    assert state.draft.t_level + state.draft.t_node < _DEEP_LEVEL_SHARE * step  # the fit: a level is free
+    level = state.draft.chain_level
+    assert level == pytest.approx(9.1e-3 / 22, rel=0.01) and level > _DEEP_LEVEL_SHARE * step
+    state.deepest_led = 10
+    assert not gate.deep_levels_cheap() and gate.chain_limit() == 10
+    state.draft.add(3, 24, 2e-3, 0.97)  # a tree cycle: 8 nodes a level
+    assert state.draft.chain_level == level
+
+
 def test_a_chain_probe_costs_its_extra_levels_and_a_chain_pays_the_first_level_once():
     from specfit_hf.selection.calibration import OnlineCostModel
     from specfit_hf.selection.gate import PROBE_DEPTH, DraftingGate, DraftingMeasurements, probe_kind

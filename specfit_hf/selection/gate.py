@@ -113,11 +113,14 @@ class DraftCost:
     Every drafting cycle adds to decayed sums; the non-negative least-squares fit is made
     when the figures are next read (:attr:`t_cycle`, :attr:`t_level`, :attr:`t_node`).  Small
     ridges keep ``t_cycle`` and ``t_node`` near 0 while the levels and the widths do not vary,
-    when the split is not identifiable.
+    when the split is not identifiable.  Nor is the split between ``t_cycle`` and ``t_level`` while
+    the chains that run all draft about as many levels: :attr:`chain_level` is what a chain's
+    level costs on average, its cycle's first level included.
     """
 
     # decayed [1, L, N, LL, LN, NN, S, LS, NS] (floats: updated every drafting cycle)
     sums: tuple[float, ...] = (0.0,) * 9
+    chain_sums: tuple[float, float] = (0.0, 0.0)  # decayed (seconds, levels) of the cycles drafting a chain
     _fit: tuple[float, float, float] | None = field(default=None, repr=False)  # (t_cycle, t_level, t_node)
 
     def add(self, levels: int, nodes: int, seconds: float, decay: float) -> None:
@@ -129,6 +132,9 @@ class DraftCost:
         w, sl, sn, ll, ln, nn, ss, ls, ns = self.sums
         self.sums = (decay * w + 1.0, decay * sl + lv, decay * sn + nd, decay * ll + lv * lv, decay * ln + lv * nd,
                      decay * nn + nd * nd, decay * ss + sec, decay * ls + lv * sec, decay * ns + nd * sec)
+        if levels > 0 and nodes == levels:  # one node a level: a chain
+            seconds_sum, levels_sum = self.chain_sums
+            self.chain_sums = (decay * seconds_sum + sec, decay * levels_sum + lv)
         self._fit = None
 
     def _fitted(self) -> tuple[float, float, float]:
@@ -159,6 +165,13 @@ class DraftCost:
             return 0.0
         t_cycle, t_level, t_node = self._fitted()
         return t_cycle + t_level * levels + t_node * nodes
+
+    @property
+    def chain_level(self) -> float | None:
+        """Mean seconds per level of the cycles that drafted a chain, their first levels included (``None``
+        before any)."""
+        seconds, levels = self.chain_sums
+        return seconds / levels if levels > 0 else None
 
     def marginal(self, levels: int, nodes: int) -> float:
         """Seconds of ``levels`` more levels holding ``nodes`` more nodes, in a cycle that drafts already."""
@@ -435,13 +448,23 @@ class DraftingGate:
         (rejections cluster), climbed to 13-16 levels (CPU GSM8K, SpecFit ÷ the best fixed chain, old / new / new /
         old on one core, 8 cells: new ÷ old 0.951-1.117, geo-mean 1.045; twins with host time frozen unchanged but
         the ``+graphs`` twin, GSM8K 1.008, CNN/DM 0.995; docs/acceptance).
+
+        A level's cost is the chains' mean seconds per level (:attr:`DraftCost.chain_level`), not the fit's
+        slope: while the chains that run draft about as many levels the slope is not identifiable, and on
+        the CPU (GSM8K, 75 % cache) it read 0.00-0.43 ms a level against ~0.4 ms measured, so 12- to 16-level
+        chains opened in 29 % of the checks.  The mean carries the cycle's first level: where the fit is sound
+        it reads ~10 % above the slope (the eager twins 0.016-0.027 of a verify against 0.015-0.025, the
+        ``+graphs`` twin 0.065 against 0.057), and no check on the twins changes.
         """
         draft, verify = self.state.draft, self.state.verify
         if draft.t_level is None or verify is None:
             return True
         fit = verify.last_fit
         step = fit.t0 + fit.t_token
-        return step <= 0.0 or draft.t_level + draft.t_node < _DEEP_LEVEL_SHARE * step
+        level = draft.chain_level
+        if level is None:  # no chain drafted yet: the fit's
+            level = draft.t_level + draft.t_node
+        return step <= 0.0 or level < _DEEP_LEVEL_SHARE * step
 
     def start_call(self) -> None:
         """A ``generate`` call starts: its cycles are counted from 0 (:meth:`choose`'s cold-cache wait).
