@@ -781,6 +781,29 @@ def test_chain_cycles_draft_one_child_per_level_and_verify_the_whole_chain():
     assert policy.select(DraftTree(root_token=5), ctx).stop
 
 
+def test_a_chains_forecast_counts_the_drafting_stops_copies_as_its_own_seconds_do():
+    """A kind's own seconds count a copy its verify used as a load (its hidden time is in the shorter cycle);
+    the forecast counts the stop's copies resident.  The chain's forecast charges the copies the verify is
+    expected to use, so the copies' hidden time is not credited twice."""
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002), expert_predictor="none")
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    for _ in range(6):  # the kind is priced by its own cycles
+        policy.gate.observe("chain:2", 3, 0.03, loads=2, root_loads=1, t_expert=0.002, nodes=2, accepted=2)
+    policy.gate.choose = lambda: "chain:2"
+    policy.select(DraftTree(root_token=5), ctx)
+    tree = DraftTree(root_token=5)
+    tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
+    tree.add_level(torch.tensor([11]), torch.tensor([0]), torch.tensor([0.9]))
+    alone = policy._prefix_seconds(tree, 2)
+    policy._stop_copies = 4  # the drafting stop copied four guessed experts
+    rate = policy.prefetch_hits.rate
+    assert 0.0 < rate <= 1.0
+    assert policy._prefix_seconds(tree, 2) == pytest.approx(alone + policy.costs.t_expert * rate * 4)
+    policy.select(DraftTree(root_token=5), ctx)  # the next cycle starts with no copies
+    assert policy._stop_copies == 0
+
+
 def test_cycle_model_stays_valid_when_the_root_is_predicted_to_miss_a_lot():
     config, ctx = _ctx(cost=CostModel(t0=0.001, t_token=0.0, t_expert=0.002))
     policy = get_policy("specfit", config)
