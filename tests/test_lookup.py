@@ -364,7 +364,7 @@ def test_lookup_misses_count_what_the_repeated_text_routed_to():
                        [[7, 6], [0, 7]]])   # 3: the second: adds 7 in layer 0 and 0, 7 in layer 1
     view = _Residents(resident, routing=prompt)
     forecast = ExpertForecast(None, view)
-    forecast.start_context(4)
+    forecast.start_context(view.last_routing(rows=4))
     misses, added = forecast.lookup_misses(LookupProposal((9, 9, 9), 2, source=2))
     np.testing.assert_array_equal(misses, [1, 2, 4, 4])  # the third copied token is not routed yet
     np.testing.assert_allclose(added, np.array([0, 2, 5, 5]) / 4)

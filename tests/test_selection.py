@@ -1418,6 +1418,79 @@ def test_chain_novelty_shrinks_each_depth_toward_the_one_above():
     assert np.all(np.diff(n) > 0)
 
 
+def test_routing_novelty_counts_each_positions_new_experts_in_the_first_positions_worth():
+    from specfit_hf.selection.gate import routing_novelty
+
+    # one layer, top-2; -1: an empty slot (never counted)
+    routing = np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]], [[4, -1]]])
+    shares, runs = routing_novelty(routing, depths=2, windows=8)
+    # runs start at 0, 1, 2: depth 1 adds {2}, {3}, {0} (1 of 2 each); depth 2 adds {3}, {0}, {4} (1 of 2)
+    assert runs == 3
+    np.testing.assert_allclose(shares, [0.5, 0.5])
+    shares, runs = routing_novelty(routing, depths=4, windows=8)
+    # one run of five positions: {0,1} then {2}, {3}, {} (0 and 3 named), {4}
+    assert runs == 1
+    np.testing.assert_allclose(shares, [0.5, 0.5, 0.0, 0.5])
+    shares, _ = routing_novelty(routing[:2], depths=3)
+    assert shares[0] == 0.5 and np.isnan(shares[1:]).all()  # a prompt of two positions reaches depth 1 only
+    assert routing_novelty(routing[:1]) is None and routing_novelty(None) is None
+
+
+def test_unmeasured_depths_decay_as_the_prompts_routing_does():
+    """Past the deepest depth chains measured, a depth is priced like the one above times the ratio between
+    the two depths in the prompts' own routing, not flat."""
+    from specfit_hf.selection.gate import (
+        _MAX_CHAIN, _NOVELTY_PRIOR, DraftingGate, DraftingMeasurements, chain_kinds, chain_novelty,
+    )
+
+    state = DraftingMeasurements(interval=8)
+    gate = DraftingGate(state, True, chain_kinds(4), 8, 64)
+    layers, experts = 4, 32
+    rng = np.random.default_rng(0)
+    # a text whose positions reuse most of their predecessors' experts: the share of new ones falls with depth
+    rows, pool = [], list(range(4))
+    for t in range(80):
+        pool = pool[1:] + [int(rng.integers(experts))] if t % 3 == 0 else pool
+        rows.append([rng.permutation(pool)[:2].tolist() for _ in range(layers)])
+    routing = np.array(rows)
+    version = state.version
+    gate.observe_text(routing)
+    assert state.version > version  # the ranking's cached figures are recomputed
+    shares = state.text_novelty[0] / state.text_novelty[1]
+    assert shares[0] > shares[5] >= 0.0
+    # chains of 2 measured often: depths 1-2 are theirs, deeper ones follow the text's decay from depth 2
+    state.novelty[0, :2] = 40 * np.array([0.8, 0.6])
+    state.novelty[1, :2] = 40
+    n = np.diff(chain_novelty(state))
+    ratio = shares[1:] / shares[:-1]
+    p3 = (_NOVELTY_PRIOR * n[1] * min(ratio[1], 1.0)) / _NOVELTY_PRIOR
+    assert n[2] == pytest.approx(p3)
+    assert n[5] < n[2] < n[1]  # priced flat before (every depth past 2 at depth 2's share)
+    assert np.all(n >= 0.0) and n.size == _MAX_CHAIN
+
+
+def test_specfit_reads_each_prompts_routing_into_the_gate():
+    from specfit_hf import offload_experts
+    from specfit_hf.generation import SpecFitConfig
+    from specfit_hf.selection.gate import shared_drafting
+
+    target = _tiny_moe(3)
+    draft = _noisy_copy(target)
+    runtime = offload_experts(target, device="cpu", slots_per_layer=3)
+    try:
+        g = torch.Generator().manual_seed(5)
+        cfg = SpecFitConfig(max_new_tokens=4, do_sample=False, max_depth=3, tree_top_k=2)
+        target.generate(torch.randint(0, 64, (1, 20), generator=g), assistant_model=draft, generation_config=cfg)
+        (state,) = shared_drafting(runtime.view(), draft).values()
+        assert state.text_novelty[1, 0] == 1.0  # one prompt: its runs counted once at each depth it reaches
+        assert 0.0 < state.text_novelty[0, 0] <= 1.0
+        target.generate(torch.randint(0, 64, (1, 3), generator=g), assistant_model=draft, generation_config=cfg)
+        # a second prompt of three positions reaches depths 1-2; the first prompt's weight halves
+        np.testing.assert_allclose(state.text_novelty[1, :3], [1.5, 1.5, 0.5])
+    finally:
+        runtime.detach()
+
+
 def test_gate_prices_each_depth_by_the_new_experts_it_brings():
     """Chains whose deeper tokens reuse the experts before them cost less per level, and the gate
     ranks a deeper chain above a shorter one there -- where, with every node priced as new, it would not."""

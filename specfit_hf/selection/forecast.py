@@ -113,11 +113,11 @@ class ExpertForecast:
         self.context = ContextRouting()
         self._routing: np.ndarray | None = None  # the last verify's routing, read once per cycle
 
-    def start_context(self, prompt_len: int) -> None:
-        """A ``generate`` call starts: the prefill's routing is the context's first ``prompt_len`` positions."""
+    def start_context(self, routing: np.ndarray | None) -> None:
+        """A ``generate`` call starts: the prefill routed the prompt's positions as ``routing`` (``[T, L, k]``,
+        the context's first positions; ``None``: unknown)."""
         self._routing = None
-        routing = None if self.experts is None or prompt_len <= 0 else self.experts.last_routing(rows=prompt_len)
-        self.context.start(routing)
+        self.context.start(None if self.experts is None else routing)
 
     def remember(self, root_position: int, verified: int, accepted_positions: list[int]) -> None:
         """After a verify of the root at ``root_position`` and ``verified`` nodes: the committed rows'

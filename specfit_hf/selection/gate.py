@@ -230,6 +230,9 @@ class DraftingMeasurements:
     lookup: LookupAcceptance = field(default_factory=LookupAcceptance)  # of prompt-lookup proposals
     # [context, accepted / tried, depth]: chain outcomes by the lookup proposal the cycle had (lookup_context)
     depth_context: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2, _MAX_CHAIN)))
+    # [new experts of position d after a start / the start's, windows] of the calls' prompts (routing_novelty, decayed):
+    # the text's own decay with depth, the shape unmeasured depths are priced by (chain_novelty)
+    text_novelty: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
     # (version, chain_novelty) as last computed: the gate and the cost tracker read it many times a cycle
     _novelty: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
@@ -290,7 +293,9 @@ _OWN_NODE_KINDS = ("tree", LOOKUP)  # kinds whose verified nodes are priced by t
 _REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
 _CONTEXT_DECAY = 0.005  # per-cycle forgetting of the chains' acceptance by lookup context (~200 cycles)
 _CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added to a context's counts
-_NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings as many new experts as depth d - 1 (the root: all)
+_NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings what depth d - 1 does times the text's ratio
+_TEXT_WINDOWS = 64  # runs of a prompt's positions its routing_novelty averages over
+_TEXT_DECAY = 0.5  # per call: weight of the earlier prompts' routing_novelty against the newest's
 
 
 def _interp_unit(values: Sequence[float], x: float) -> float:
@@ -327,16 +332,76 @@ def chain_novelty(state: DraftingMeasurements) -> np.ndarray:
     An MoE forward computes (and, if absent, loads) each distinct expert once, and the tokens
     of a chain share experts with the ones before them: on GSM8K's repetitive answers depth 8
     brings a third of a root's experts, on fresh text more.  Each depth's measured share
-    (:attr:`DraftingMeasurements.novelty`) is shrunk toward the estimate of the depth above it,
-    so a depth not measured yet is priced like the deepest one that was.
+    (:attr:`DraftingMeasurements.novelty`) is shrunk toward the estimate of the depth above it
+    times the ratio between those depths in the text the calls were given
+    (:attr:`DraftingMeasurements.text_novelty`, :func:`routing_novelty`): a depth not measured yet
+    is priced like the deepest one that was, decayed as the prompts' own routing decays with depth.
+
+    Why the text's decay: the union of the experts a run of tokens names grows ever more slowly
+    (each token can only add experts the ones before it did not name), and a chain's depths are
+    measured only as deep as its chains ran.  Priced flat past the deepest measured depth, a
+    process's first calls (which ran 1- and 2-token chains) priced a 5-token chain's nodes at twice
+    the loads they then had (Mixtral 4090 twin, GSM8K at a quarter cache: depths 3-5 brought 0.40,
+    0.28 and 0.25 of a root's experts once measured, against 0.79 each priced) and sat on plain steps.
+    Without prompts' routing the text's ratio is 1 (flat).
     """
     sums, counts = state.novelty
+    ratios = text_ratios(state.text_novelty)
     out = np.zeros(_MAX_CHAIN + 1)
     previous = 1.0
     for d in range(_MAX_CHAIN):
-        previous = (float(sums[d]) + _NOVELTY_PRIOR * previous) / (float(counts[d]) + _NOVELTY_PRIOR)
+        guess = previous * ratios[d]
+        previous = (float(sums[d]) + _NOVELTY_PRIOR * guess) / (float(counts[d]) + _NOVELTY_PRIOR)
         out[d + 1] = out[d] + previous
     return out
+
+
+def text_ratios(text: np.ndarray) -> list[float]:
+    """Per depth ``d``, the text's new experts at ``d`` over those at ``d - 1`` (the root's own: 1), at most 1;
+    1 where the text has no windows that deep (:attr:`DraftingMeasurements.text_novelty` sums)."""
+    sums, windows = text.tolist()
+    out, previous = [], 1.0
+    for s, w in zip(sums, windows):
+        if w <= 0.0 or previous <= 0.0:
+            out.append(1.0)
+            continue
+        share = s / w
+        out.append(min(share / previous, 1.0))
+        previous = share
+    return out
+
+
+def routing_novelty(routing: np.ndarray | None, depths: int = _MAX_CHAIN,
+                    windows: int = _TEXT_WINDOWS) -> tuple[np.ndarray, int] | None:
+    """Over up to ``windows`` runs of ``depths + 1`` consecutive positions of ``routing`` (``[T, L, k]`` expert
+    ids, -1: none; evenly spaced), the mean new experts of each run's position ``d = 1 .. depths``: those no
+    position before it in the run named, in the run's first position's worth (:func:`node_novelty`'s unit);
+    ``(shares [depths], runs)``.  Runs shorter than ``depths + 1`` positions fill only the depths they reach
+    (the rest are NaN).  ``None`` without two positions."""
+    if routing is None or routing.ndim != 3 or routing.shape[0] < 2:
+        return None
+    length, layers = routing.shape[:2]
+    span = min(depths, length - 1)
+    starts = np.unique(np.linspace(0, length - 1 - span, num=min(windows, length - span)).astype(np.int64))
+    experts = int(routing.max()) + 1
+    valid = (routing >= 0).reshape(length, -1)
+    # flat (layer, expert) ids; an empty slot names a spare column no run counts
+    ids = np.where(routing >= 0, routing + (np.arange(layers) * experts)[None, :, None], layers * experts)
+    ids = ids.reshape(length, -1)
+    seen = np.zeros((starts.size, layers * experts + 1), dtype=bool)
+    run = np.arange(starts.size)[:, None]
+    seen[run, ids[starts]] = True
+    root = valid[starts].sum(axis=1)
+    keep = root > 0
+    if not keep.any():
+        return None
+    out = np.full(depths, np.nan)
+    for d in range(1, span + 1):
+        rows = ids[starts + d]
+        new = (valid[starts + d] & ~seen[run, rows]).sum(axis=1)
+        seen[run, rows] = True
+        out[d - 1] = float(np.mean(new[keep] / root[keep]))
+    return out, int(keep.sum())
 
 
 def current_novelty(state: DraftingMeasurements) -> np.ndarray:
@@ -465,6 +530,21 @@ class DraftingGate:
         if level is None:  # no chain drafted yet: the fit's
             level = draft.t_level + draft.t_node
         return step <= 0.0 or level < _DEEP_LEVEL_SHARE * step
+
+    def observe_text(self, routing: np.ndarray | None) -> None:
+        """A call's prompt routed as ``routing`` (``[T, L, k]``, ``None``: unknown): how its new experts decay with
+        depth (:func:`routing_novelty`) joins the earlier prompts', the shape :func:`chain_novelty` prices depths
+        no chain has measured by."""
+        found = routing_novelty(routing)
+        if found is None:
+            return
+        shares, _ = found
+        text = self.state.text_novelty
+        text *= _TEXT_DECAY
+        reached = np.isfinite(shares)
+        text[0, reached] += shares[reached]
+        text[1, reached] += 1.0
+        self.state.version += 1
 
     def start_call(self) -> None:
         """A ``generate`` call starts: its cycles are counted from 0 (:meth:`choose`'s cold-cache wait).

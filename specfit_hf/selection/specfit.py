@@ -200,8 +200,12 @@ class SpecFitPolicy(SelectionPolicy):
         self.acceptance = AcceptanceModel.for_draft(ctx.draft, dict(opts.acceptance), opts.share_acceptance, key)
         predictor = make_predictor(opts.expert_predictor, ctx.experts, ctx.target, ctx.draft)
         self.forecast = ExpertForecast(predictor, ctx.experts)
-        if self.lookup_tokens:  # the prefill's routing: where repeats will route (read by lookup proposals only)
-            self.forecast.start_context(ctx.prefix_len)
+        # the prefill's routing: how the text's experts decay with depth (what unmeasured depths are priced by),
+        # and where repeats will route (read by lookup proposals only)
+        prompt = None if ctx.experts is None or ctx.prefix_len <= 0 else ctx.experts.last_routing(rows=ctx.prefix_len)
+        self.gate.observe_text(prompt)
+        if self.lookup_tokens:
+            self.forecast.start_context(prompt)
         if self._prefetching():
             self._prefetch_counts = ctx.experts.prefetches()
         self._shadow, self._shadow_depth = [], 0
