@@ -1440,7 +1440,12 @@ def test_unmeasured_depths_decay_as_the_prompts_routing_does():
     """Past the deepest depth chains measured, a depth is priced like the one above times the ratio between
     the two depths in the prompts' own routing, not flat."""
     from specfit_hf.selection.gate import (
-        _MAX_CHAIN, _NOVELTY_PRIOR, DraftingGate, DraftingMeasurements, chain_kinds, chain_novelty,
+        _MAX_CHAIN,
+        _NOVELTY_PRIOR,
+        DraftingGate,
+        DraftingMeasurements,
+        chain_kinds,
+        chain_novelty,
     )
 
     state = DraftingMeasurements(interval=8)
