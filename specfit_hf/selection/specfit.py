@@ -411,9 +411,9 @@ class SpecFitPolicy(SelectionPolicy):
 
         A kind's own seconds count a copy the verify used as one of its loads (its hidden time shows as a
         shorter cycle: :meth:`observe`), while the forecast counts the stop's copies resident and leaves
-        them out of its misses.  Priced with neither, a chain that stopped was forecast short by the
-        time its copies hid (4090 twin, CNN/DM at a quarter cache, host time frozen, 16 prompts: chain
-        cycles 21 % short, 3 % without prefetching).
+        them out of its misses.  Without this charge the hidden time was taken off twice: 4090 twin, CNN/DM
+        at a quarter cache, host time frozen, 16 prompts, chain cycles forecast 21 % short (12.5 % with it,
+        3 % with prefetching off).
         """
         return self.prefetch_hits.rate * self._stop_copies
 
