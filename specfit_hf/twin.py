@@ -512,8 +512,13 @@ class TwinTimeline:
             self._hook(self.draft.lm_head, lambda a, k, o: self._head_cost(d.lm_head_params, a))
             self._hook(self.draft.fc, lambda a, k, o: self._head_cost(d.fc_params, a))
             if getattr(self.draft, "expert_heads", None) is not None and hasattr(self.draft, "predict_experts"):
-                # the heads run as one stacked matmul (no module call to hook): the method is wrapped
+                # the heads run as one stacked matmul (no module call to hook): the method is wrapped, and so
+                # are the functions a generate call's expert predictor makes of them (expert_predictor_fn)
                 self._wrap(self.draft, "predict_experts", self._expert_heads_cost)
+                if hasattr(self.draft, "expert_predictor_fn"):
+                    maker = self.draft.expert_predictor_fn
+                    self._wrap(self.draft, "expert_predictor_fn",
+                               lambda *a, **k: self._charged(maker(*a, **k), self._expert_heads_cost), charge=False)
         return self
 
     def detach(self) -> None:
@@ -544,18 +549,21 @@ class TwinTimeline:
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
 
-    def _wrap(self, obj: Any, name: str, cost: Any) -> None:
-        """Charge ``cost`` for calls of the method ``obj.name`` (an instance attribute until :meth:`detach`)."""
-        method = getattr(obj, name)
+    def _wrap(self, obj: Any, name: str, cost: Any, charge: bool = True) -> None:
+        """Charge ``cost`` for calls of the method ``obj.name`` (an instance attribute until :meth:`detach`);
+        with ``charge=False``, ``cost`` is the replacement itself."""
+        setattr(obj, name, self._charged(getattr(obj, name), cost) if charge else cost)
+        self._restore.append((obj, name))
 
+    def _charged(self, function: Any, cost: Any) -> Any:
+        """``function``, its calls charged ``cost`` in place of their CPU time."""
         def charged(*args: Any, **kwargs: Any) -> Any:
             self._begin()
-            output = method(*args, **kwargs)
+            output = function(*args, **kwargs)
             self._end(cost, args, kwargs, output)
             return output
 
-        setattr(obj, name, charged)
-        self._restore.append((obj, name))
+        return charged
 
     def _begin(self) -> None:
         self._stack.append([_source_time(), self.copy_seconds, 0.0])

@@ -55,6 +55,13 @@ def test_save_load_round_trip(tmp_path):
         assert pred.shape == (5, 3, 2) and pred.dtype == torch.long
         assert torch.equal(pred, draft.predict_experts(h))
         assert torch.equal(pred[:, 1], loaded.expert_logits(h)[:, 1].topk(2, -1).indices)
+        # the snapshot a generate call predicts with: the same experts, and new weights need a new snapshot
+        predict = loaded.expert_predictor_fn()
+        assert torch.equal(predict(h), pred) and torch.equal(loaded.expert_predictor_fn(top_k=1)(h), pred[..., :1])
+        loaded.expert_heads[1].weight.mul_(-1.0)
+        assert torch.equal(loaded.expert_predictor_fn()(h), loaded.predict_experts(h))
+        assert not torch.equal(loaded.predict_experts(h)[:, 1], pred[:, 1])
+        loaded.expert_heads[1].weight.mul_(-1.0)
 
     # a draft built under inference_mode (inference tensors keep no version counter) predicts the same
     with torch.inference_mode():

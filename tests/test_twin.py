@@ -163,6 +163,15 @@ def test_expert_heads_are_charged_as_draft_work_on_the_twin(pair):
             assert torch.equal(out, reference)  # the twin changes the clock, never the result
             assert span == pytest.approx(twin.expert_heads_seconds(rows), abs=2e-3)
             assert timeline.events["expert_heads"][0] == 1
+            # a generate call's predictor calls a snapshot of the heads (expert_predictor_fn): charged alike
+            predict = draft.expert_predictor_fn()
+            start = clock()
+            out = predict(hidden)
+            span = clock() - start
+            assert torch.equal(out, reference)
+            assert span == pytest.approx(twin.expert_heads_seconds(rows), abs=2e-3)
+            assert timeline.events["expert_heads"][0] == 2
+        assert "expert_predictor_fn" not in vars(draft)
         assert "predict_experts" not in vars(draft)  # detached: the class's method again
     finally:
         runtime.detach()

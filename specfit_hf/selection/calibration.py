@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import statistics
 from collections import deque
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -45,11 +46,17 @@ def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None =
     feature barely varies.  Rows are weighted by 1/seconds so the fit minimises relative
     error (what MAPE measures).
     """
-    rows = [tuple(map(float, sample)) for sample in samples]
-    width = max((len(r) for r in rows), default=3)
-    if width not in (3, 4) or any(len(r) != width for r in rows):
+    # one array call (a refit runs every few cycles inside generation: per-sample Python was most of it)
+    try:
+        data = np.array(samples if isinstance(samples, (list, tuple, deque)) else list(samples), dtype=np.float64)
+    except (ValueError, TypeError) as err:  # ragged rows, or a row that is not numbers
+        raise ValueError("cost samples are (tokens, misses, seconds) or (tokens, misses, seconds, novel), "
+                         "all alike") from err
+    if data.size == 0:
+        data = data.reshape(0, 3)
+    width = data.shape[-1]
+    if data.ndim != 2 or width not in (3, 4):
         raise ValueError("cost samples are (tokens, misses, seconds) or (tokens, misses, seconds, novel), all alike")
-    data = np.asarray(rows, dtype=np.float64).reshape(-1, width)
     if data.shape[0] == 0 and prior is None:
         raise ValueError("fit_cost_model needs samples or a prior")
     x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], *([data[:, 3]] if width == 4 else [])])
@@ -298,7 +305,7 @@ class OnlineCostModel:
         if not self._anchors:
             return prior
         fixed = [s - prior.t_token * t - prior.t_expert * m for _, (t, m, s, _n) in self._anchors]
-        t0 = float(np.median(fixed))
+        t0 = float(statistics.median(fixed))  # numpy's median, without its host time for eight numbers
         return CostModel(t0=max(t0, 1e-9), t_token=prior.t_token, t_expert=prior.t_expert, t_novel=prior.t_novel)
 
     @property

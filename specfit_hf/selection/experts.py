@@ -210,6 +210,10 @@ class DraftHeadPredictor(ExpertPredictor):
         self._head_of = np.array([where.get(layer, -1) for layer in experts.moe_layers], dtype=np.int64)
         # one head per MoE layer, in the runtime's order (the usual case): the heads' output is the prediction
         self._one_to_one = bool(np.array_equal(self._head_of, np.arange(len(head_layers))))
+        # a predictor lives for one generate call, in which the heads do not change
+        snapshot = getattr(draft, "expert_predictor_fn", None)
+        self._predict = snapshot(self.top_k) if snapshot is not None else (
+            lambda hidden: draft.predict_experts(hidden, top_k=self.top_k))
 
     @staticmethod
     def supported(draft: Any) -> bool:
@@ -223,7 +227,7 @@ class DraftHeadPredictor(ExpertPredictor):
         n = hidden.shape[0]
         if n == 0:
             return self._empty(0)
-        pred = self.draft.predict_experts(hidden, top_k=self.top_k).detach().cpu().numpy()  # [n, L_heads, k]
+        pred = self._predict(hidden).cpu().numpy()  # [n, L_heads, k]
         if self._one_to_one and pred.shape[2] == self.top_k:
             return pred.astype(np.int64, copy=False)
         out = self._empty(n)

@@ -83,6 +83,7 @@ offload runtime with the same draft and policy settings.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -423,8 +424,11 @@ def probe_kind(depth: int) -> str:
     return f"probe:{depth}"
 
 
+@functools.lru_cache(maxsize=256)
 def kind_depth(kind: str) -> int:
-    """Levels a kind verifies: ``h`` for ``chain:h`` and ``probe:h``, 0 for ``plain``."""
+    """Levels a kind verifies: ``h`` for ``chain:h`` and ``probe:h``, 0 for ``plain``.
+
+    Cached: a cycle asks a dozen times, over a handful of kinds."""
     return int(kind.split(":")[1]) if ":" in kind else 0
 
 
