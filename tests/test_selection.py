@@ -1810,6 +1810,21 @@ def test_predicted_residents_are_the_residents_some_row_names():
     assert np.argwhere(keep).tolist() == [[0, 1], [1, 5]]  # 2 is resident but no row names it; 3, 4, 6 are not
 
 
+def test_any_missing_says_whether_a_plan_has_anything_to_copy():
+    from specfit_hf.selection.prefetch import any_missing, prefetch_plan
+
+    cached = np.zeros((2, 8), dtype=bool)
+    cached[0, [1, 2]] = cached[1, 5] = True
+    rows = np.array([[[1, -1], [5, -1]],
+                     [[2, 1], [-1, 5]]])
+    assert not any_missing(rows, cached)  # every named expert resident (-1 names none)
+    assert prefetch_plan(rows, np.array([1.0, 1.0]), cached, window=np.array([1.0, 1.0]), busy=0.0,
+                         each=0.1)[0].size == 0
+    rows[1, 1, 0] = 4
+    assert any_missing(rows, cached)
+    assert not any_missing(np.full((2, 2, 2), -1), cached)
+
+
 def test_a_chain_stops_to_prefetch_while_the_copies_are_worth_the_stops_host_time():
     from specfit_hf.selection.prefetch import DraftingStops
 

@@ -29,7 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DraftingStops", "PrefetchHits", "predicted_residents", "prefetch_plan"]
+__all__ = ["DraftingStops", "PrefetchHits", "any_missing", "predicted_residents", "prefetch_plan"]
+
+
+def any_missing(rows: np.ndarray, cached: np.ndarray) -> bool:
+    """Whether ``rows`` (``[R, L, k]`` predicted experts, -1: none) name an expert ``cached`` (``[L, E]``) lacks."""
+    valid = rows >= 0
+    return not cached[np.nonzero(valid)[1], rows[valid]].all()
 
 
 def predicted_residents(rows: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -72,20 +78,23 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
     missing = ~cached[layer, expert]
     if each <= 0 or not missing.any():
         return np.zeros((0, 2), dtype=np.int64), hidden
-    row, layer, expert = row[missing], layer[missing], expert[missing]
     # each missing (layer, expert) once, with the probability of the likeliest row naming it; candidates of
-    # a layer are taken most likely first, ties in the order the rows first name them
-    ids = layer * cached.shape[1] + expert
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    p = np.full(first.size, -1.0)
-    np.maximum.at(p, inverse, needed[row])
-    layer, expert = layer[first], expert[first]
-    order = np.lexsort((first, -p, layer))
+    # a layer are taken most likely first, ties in the order the rows first name them.  A few dozen
+    # candidates: host loops cost less than array calls here (this runs every chain cycle)
+    probability = needed.tolist()
+    candidates: dict[tuple[int, int], list] = {}  # (layer, expert) -> [layer, -p, first naming, expert]
+    for first, (row_, layer_, expert_) in enumerate(zip(row[missing].tolist(), layer[missing].tolist(),
+                                                         expert[missing].tolist())):
+        seen = candidates.get((layer_, expert_))
+        if seen is None:
+            candidates[(layer_, expert_)] = [layer_, -probability[row_], first, expert_]
+        elif -probability[row_] < seen[1]:
+            seen[1] = -probability[row_]
     limits = window.tolist()
     left = [np.inf] * cached.shape[0] if room is None else room.tolist()  # copies each layer may still take
-    # a few dozen candidates: host loops cost less than array calls here (this runs every chain cycle)
     current = -1
-    for layer_, expert_, p_ in zip(layer[order].tolist(), expert[order].tolist(), p[order].tolist()):
+    for layer_, p_, _, expert_ in sorted(candidates.values()):
+        p_ = -p_
         if layer_by_layer and layer_ != current:
             current, start = layer_, 0.0
         ahead = limits[layer_] - start

@@ -60,7 +60,7 @@ from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
-from .prefetch import DraftingStops, PrefetchHits, predicted_residents, prefetch_plan
+from .prefetch import DraftingStops, PrefetchHits, any_missing, predicted_residents, prefetch_plan
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
@@ -363,6 +363,9 @@ class SpecFitPolicy(SelectionPolicy):
         if predicted is None or seconds is None:
             return None, 0.0, None
         nodes, root = predicted
+        rows, cached = np.concatenate([root[None], nodes[:verified]]), self.forecast.cached
+        if not any_missing(rows, cached):  # nothing to copy (most plans at a high cache fraction): no plan
+            return None, 0.0, None
         view = self.forecast.experts
         each = view.transfer_seconds() or self.costs.t_expert
         layers = root.shape[0]
@@ -374,7 +377,6 @@ class SpecFitPolicy(SelectionPolicy):
         depths = self.gate.depth_acceptance()  # a chain's nodes are reached with the chains' per-depth rates
         reach = self.acceptance.path(tree)[:verified] if depths is None else np.cumprod(depths[:verified])
         needed = self.prefetch_hits.rate * np.concatenate(([1.0], reach))
-        rows, cached = np.concatenate([root[None], nodes[:verified]]), self.forecast.cached
         keep = predicted_residents(rows, cached)
         pairs, hidden = prefetch_plan(rows, needed, cached, window,
                                       0.0 if layer_by_layer else view.link_busy_seconds(), each, layer_by_layer,
