@@ -1348,6 +1348,35 @@ def test_a_new_call_prices_chains_at_the_running_root_loads_not_at_earlier_calls
     assert gate.cycle_figures()["chain:2"][1] == pytest.approx(chain_seconds)
 
 
+def test_the_first_chain_waits_for_a_warm_cache_only_where_a_plain_step_costs_few_expert_loads():
+    """Where a plain step is mostly fixed cost (a host-bound GPU), waiting 8 cycles for the prefill's cold cache to
+    warm costs 8 cycles of one token at a chain's price: the first chain runs right after the first plain step."""
+    from specfit_hf.selection.gate import _COLD_WAIT_LOADS, _START_CYCLES, DraftingGate, DraftingMeasurements
+
+    def first_kinds(step_seconds, loads, t_exp):
+        gate = DraftingGate(DraftingMeasurements(interval=1000), True, ["plain", "chain:1", "tree"], 1000, 1000)
+        gate.start_call()
+        seq = []
+        for _ in range(_START_CYCLES + 1):
+            kind = gate.choose()
+            seq.append(kind)
+            gate.observe(kind, 1 if kind == "plain" else 2, step_seconds + loads * t_exp, loads=loads,
+                         root_loads=loads, t_expert=t_exp, nodes=0 if kind == "plain" else 1,
+                         accepted=None if kind == "plain" else 1)
+        return seq
+
+    waited = ["plain"] * _START_CYCLES + ["chain:1"]
+    # the CPU's emulated links: a plain step costs 1-3 loads' worth of transfer time (the loads themselves aside)
+    assert first_kinds(0.0045, 2, 0.0022) == waited
+    assert first_kinds(0.0045, 0, 0.0022) == waited  # however few it loads: a cold first chain would load the most
+    # an eager Qwen3 twin: a plain step costs ~16 loads and what a 10-token chain does: no wait
+    assert first_kinds(0.098, 2, 0.0062)[:2] == ["plain", "chain:1"]
+    # the threshold itself, and no measured transfer time: the wait
+    assert first_kinds(0.99 * _COLD_WAIT_LOADS * 0.001, 1, 0.001) == waited
+    assert first_kinds(1.01 * _COLD_WAIT_LOADS * 0.001, 1, 0.001)[:2] == ["plain", "chain:1"]
+    assert first_kinds(0.1, 0, 0.0) == waited
+
+
 def test_gate_reranks_running_plain_decoding_every_few_cycles_and_waits_for_a_warm_cache_to_try_a_chain():
     from specfit_hf.selection.gate import _RERANK, _START_CYCLES, DraftingGate, DraftingMeasurements
 

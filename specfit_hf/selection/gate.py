@@ -281,6 +281,7 @@ _OWN_CYCLES = 4  # cycles after which a chain is priced by its own cycles rather
 _EXPLORE_BUDGET = 0.01  # explorations cost at most about this share of the best kind's cycles
 _ROOT_EMA = 0.3  # weight of the newest cycle in the mean root loads
 _START_CYCLES = 8  # a process's first call runs plain steps this many cycles before its first chain (cold cache)
+_COLD_WAIT_LOADS = 8.0  # ... where a plain step costs less than this many expert loads (_cold_wait_pays)
 _LEAD_CYCLES = 16  # cycles a chain leads before chains PROBE_DEPTH deeper are ranked (DraftingGate.chain_limit)
 _RERANK = 4  # cycles plain decoding or a chain runs on without re-ranking the kinds
 _NODE_DECAY = 0.98  # per drafting cycle: the fit of what verified nodes load (~50 cycles of memory)
@@ -564,6 +565,24 @@ class DraftingGate:
         """
         self.state.call_cycle = 0
 
+    def _cold_wait_pays(self) -> bool:
+        """Whether a process's first chain waits out the prefill's cold cache (:data:`_START_CYCLES` plain steps):
+        where a plain step, its transfers aside, costs less than :data:`_COLD_WAIT_LOADS` expert loads.
+
+        Right after a prefill a chain's nodes load the most, and the first chain measured there prices the
+        chains that follow: on the CPU (emulated links, a plain step 1-3 loads' worth) a first 2-token chain
+        without the wait left a first call on 1-token chains and climbing (``qwen3-pcie4``, GSM8K at 75 %
+        cache, 16 prompts: 0.955 of the 10-token chain against 0.969 with the wait), and the Mixtral 4090 twin
+        (2.2 loads) keeps it as well.  Where a step is mostly fixed cost the wait is 8 cycles of one token at
+        a chain's price: the eager Qwen3 twins' plain step costs 16-160 loads and what a 10-token chain does,
+        and a process's first call on GSM8K was 0.70-0.88 of the 10-token chain with the wait (host time
+        frozen, 16 prompts) and 0.87-0.99 without.  ``True`` before a plain step or a transfer time is measured.
+        """
+        v = self.state.sums.get("plain")
+        if v is None or self.state.t_expert <= 0:
+            return True
+        return float(v[1] / v[2]) < _COLD_WAIT_LOADS * self.state.t_expert
+
     def rate(self, kind: str) -> float | None:
         """Tokens per second of ``kind``'s cycles (draft, search and verify), transfers at the common rate."""
         return self.rates().get(kind)
@@ -799,7 +818,8 @@ class DraftingGate:
             return "tree"
         for kind in self._first:  # a plain step and one chain price every chain (the tree is explored later)
             if state.counts.get(kind, 0) < 1:
-                if kind != "plain" and state.root_loads is not None and state.call_cycle < _START_CYCLES:
+                if (kind != "plain" and state.root_loads is not None and state.call_cycle < _START_CYCLES
+                        and self._cold_wait_pays()):
                     return "plain"  # the prefill left the cache cold: the chain's nodes would load the most now
                 return kind
         if state.exploring is not None and state.explore_left > 0:
