@@ -571,8 +571,8 @@ class DraftingGate:
 
         Right after a prefill a chain's nodes load the most, and the first chain measured there prices the
         chains that follow: on the CPU (emulated links, a plain step 1-3 loads' worth) a first 2-token chain
-        without the wait left a first call on 1-token chains and climbing (``qwen3-pcie4``, GSM8K at 75 %
-        cache, 16 prompts: 0.955 of the 10-token chain against 0.969 with the wait), and the Mixtral 4090 twin
+        without the wait left a first call on 1-token chains and climbing (``qwen3-pcie4`` and ``mixtral-pcie4``,
+        GSM8K at 75 % cache, 16 prompts: 0.955 of the best chain against 0.969 with the wait), and the Mixtral 4090 twin
         (2.2 loads) keeps it as well.  Where a step is mostly fixed cost the wait is 8 cycles of one token at
         a chain's price: the eager Qwen3 twins' plain step costs 16-160 loads and what a 10-token chain does,
         and a process's first call on GSM8K was 0.70-0.88 of the 10-token chain with the wait (host time
