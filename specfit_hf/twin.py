@@ -514,11 +514,12 @@ class TwinTimeline:
             if getattr(self.draft, "expert_heads", None) is not None and hasattr(self.draft, "predict_experts"):
                 # the heads run as one stacked matmul (no module call to hook): the method is wrapped, and so
                 # are the functions a generate call's expert predictor makes of them (expert_predictor_fn)
-                self._wrap(self.draft, "predict_experts", self._expert_heads_cost)
+                self._replace(self.draft, "predict_experts",
+                              self._charged(self.draft.predict_experts, self._expert_heads_cost))
                 if hasattr(self.draft, "expert_predictor_fn"):
                     maker = self.draft.expert_predictor_fn
-                    self._wrap(self.draft, "expert_predictor_fn",
-                               lambda *a, **k: self._charged(maker(*a, **k), self._expert_heads_cost), charge=False)
+                    self._replace(self.draft, "expert_predictor_fn",
+                                  lambda *a, **k: self._charged(maker(*a, **k), self._expert_heads_cost))
         return self
 
     def detach(self) -> None:
@@ -549,10 +550,9 @@ class TwinTimeline:
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
 
-    def _wrap(self, obj: Any, name: str, cost: Any, charge: bool = True) -> None:
-        """Charge ``cost`` for calls of the method ``obj.name`` (an instance attribute until :meth:`detach`);
-        with ``charge=False``, ``cost`` is the replacement itself."""
-        setattr(obj, name, self._charged(getattr(obj, name), cost) if charge else cost)
+    def _replace(self, obj: Any, name: str, replacement: Any) -> None:
+        """``obj.name`` becomes ``replacement`` (an instance attribute until :meth:`detach`)."""
+        setattr(obj, name, replacement)
         self._restore.append((obj, name))
 
     def _charged(self, function: Any, cost: Any) -> Any:

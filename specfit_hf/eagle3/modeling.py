@@ -51,6 +51,12 @@ __all__ = [
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _stacked_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    heads: int) -> torch.Tensor:
+    """``[N, H] -> [N, heads, E]``: every expert head at once, from their stacked weights (and biases)."""
+    return F.linear(hidden.to(weight.dtype), weight, bias).unflatten(-1, (heads, -1))
+
+
 def _version(t: torch.Tensor) -> int:
     """``t``'s in-place version counter (what cached tables derived from ``t`` are checked against); -1 for an
     inference tensor (made under ``torch.inference_mode``), which keeps none."""
@@ -574,7 +580,7 @@ class Eagle3DraftModel(PreTrainedModel):
             hidden = hidden.to(self.fc.weight.dtype)
             return torch.stack([head(hidden) for head in heads], dim=-2)
         weight, bias = self._stacked_expert_heads()
-        return F.linear(hidden.to(weight.dtype), weight, bias).unflatten(-1, (len(heads), -1))
+        return _stacked_logits(hidden, weight, bias, len(heads))
 
     def _stacked_expert_heads(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The heads' weights (and biases) stacked into one matrix: inference runs the heads after every
@@ -609,10 +615,10 @@ class Eagle3DraftModel(PreTrainedModel):
             raise ValueError("this draft has no expert predictor (config.expert_predictor is None)")
         k = int(top_k or self.config.expert_predictor["top_k"])
         weight, bias = self._stacked_expert_heads()  # detached: the result never joins autograd
-        heads, dtype = len(self.expert_heads), weight.dtype
+        heads = len(self.expert_heads)
 
         def predict(hidden: torch.Tensor) -> torch.LongTensor:
-            return F.linear(hidden.to(dtype), weight, bias).unflatten(-1, (heads, -1)).topk(k, dim=-1).indices
+            return _stacked_logits(hidden, weight, bias, heads).topk(k, dim=-1).indices
 
         return predict
 
