@@ -336,6 +336,33 @@ def test_context_routing_keeps_every_positions_routing_in_order():
     assert not memory.active and memory.at(0, 1) is None
 
 
+def test_context_routing_reads_a_verifys_routing_only_when_asked_and_in_order():
+    """``append_later`` keeps the read for later: the positions count at once, the read is made when a
+    caller asks for any position, in the order the verifies ran, each taking its accepted rows."""
+    from specfit_hf.selection.forecast import ContextRouting
+
+    memory = ContextRouting()
+    memory.start(np.zeros((2, 2, 2), dtype=np.int64))
+    reads = []
+
+    def verify(value, rows):
+        def read():
+            reads.append(value)
+            return np.stack([np.full((2, 2), value + row) for row in range(rows)])
+        return read
+
+    memory.append_later(verify(10, 3), [0, 2])  # root and the second node accepted
+    memory.append_later(verify(20, 1), [0])
+    assert memory.length == 5 and reads == []  # counted, not read
+    memory.append(np.full((1, 2, 2), 30))  # an array appended after them lands after them
+    np.testing.assert_array_equal(memory.at(2, 4)[:, 0, 0], [10, 12, 20, 30])
+    assert reads == [10, 20]
+    memory.append_later(verify(40, 2), [1])
+    assert memory.known(6, 1)[0, 0, 0] == 41 and reads == [10, 20, 40]
+    memory.append_later(lambda: np.zeros((1, 3, 2), dtype=np.int64), [0])  # another shape, read later: stops
+    assert memory.length == 8 and memory.at(0, 1) is None and not memory.active
+
+
 class _Residents:
     """A read-only view stand-in: fixed residents, and the routing of a 'last forward'."""
 
@@ -349,6 +376,10 @@ class _Residents:
         if self.routing is None or (rows is not None and rows != self.routing.shape[0]):
             return None
         return self.routing
+
+    def last_routing_later(self, rows: int | None = None):
+        routing = self.last_routing(rows)
+        return None if routing is None else (lambda: routing)
 
 
 def test_lookup_misses_count_what_the_repeated_text_routed_to():

@@ -11,7 +11,8 @@ indices) and its expert ids: ``[L, E]`` masks and ``[T, L, k]`` routings.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -57,19 +58,29 @@ class ExpertCacheView:
         ``None`` before any forward, or when ``rows`` is given and the last forward had
         another number of rows (then it is not the forward the caller means).
         """
+        per_layer = self._one_forward(rows)
+        return None if per_layer is None else _stack_routing(per_layer)
+
+    def last_routing_later(self, rows: int | None = None) -> Callable[[], np.ndarray] | None:
+        """:meth:`last_routing`, read when the returned function is called, however many forwards later.
+
+        Each forward's routing ids are tensors of their own, never written after the forward, so keeping
+        them costs nothing; copying them costs host time every cycle (and a device sync on a GPU), which
+        a caller that may never read them (the context's routing, read by prompt-lookup proposals only)
+        need not pay.  ``None`` as :meth:`last_routing` would be.
+        """
+        per_layer = self._one_forward(rows)
+        return None if per_layer is None else functools.partial(_stack_routing, per_layer)
+
+    def _one_forward(self, rows: int | None) -> list[torch.Tensor] | None:
+        """The last forward's per-layer routing ids, if every layer has ``rows`` rows (any, when ``None``)."""
         per_layer = self._runtime.last_routings()
         if not per_layer or any(t is None for t in per_layer):
             return None
         shape = per_layer[0].shape
         if (rows is not None and shape[0] != rows) or any(t.shape != shape for t in per_layer):
             return None  # another forward's rows, or layers of another row count: not one forward's
-        if len(shape) != 2:
-            per_layer = [t.reshape(t.shape[0], -1) for t in per_layer]
-        if per_layer[0].device.type == "cpu":  # (integer ids: never part of autograd)
-            # already on the host: one numpy stack (a copy) costs less host time than torch's stack and cast
-            return np.stack([t.numpy() for t in per_layer], axis=1).astype(np.int64, copy=False)
-        # one stack and one copy to the host (a copy per layer is a device sync each, every cycle)
-        return torch.stack(per_layer, dim=1).detach().to(device="cpu", dtype=torch.int64).numpy()
+        return per_layer
 
     def route(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Top-k expert ids ``[T, k]`` that decoder layer ``layer``'s own router picks for ``hidden``."""
@@ -117,3 +128,14 @@ class ExpertCacheView:
         """Seconds one expert load takes on the emulated link, or ``None`` without one."""
         link = self._runtime.link
         return None if link is None else float(link.transfer_seconds(self.expert_bytes))
+
+
+def _stack_routing(per_layer: list[torch.Tensor]) -> np.ndarray:
+    """``[T, L, k]`` int64 host array of one forward's per-layer ``[T, k]`` routing ids."""
+    if per_layer[0].dim() != 2:
+        per_layer = [t.reshape(t.shape[0], -1) for t in per_layer]
+    if per_layer[0].device.type == "cpu":  # (integer ids: never part of autograd)
+        # already on the host: one numpy stack (a copy) costs less host time than torch's stack and cast
+        return np.stack([t.numpy() for t in per_layer], axis=1).astype(np.int64, copy=False)
+    # one stack and one copy to the host (a copy per layer is a device sync each)
+    return torch.stack(per_layer, dim=1).detach().to(device="cpu", dtype=torch.int64).numpy()

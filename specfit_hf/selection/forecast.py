@@ -10,6 +10,8 @@ does: the union of the root's and the nodes' experts that are not resident.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..offload.view import ExpertCacheView
@@ -17,6 +19,8 @@ from ..tree import DraftTree, LookupProposal, Selection
 from .experts import ExpertPredictor
 
 __all__ = ["ContextRouting", "ExpertForecast", "MissingCounter", "root_missing"]
+
+_MAX_PENDING = 256  # reads a context keeps pending before it makes them (each holds a verify's routing ids)
 
 
 class ContextRouting:
@@ -35,12 +39,13 @@ class ContextRouting:
 
     def __init__(self) -> None:
         self._rows: np.ndarray | None = None
-        self.length = 0  # positions known: 0 .. length - 1
+        self.length = 0  # positions known: 0 .. length - 1 (the pending reads' included)
+        self._pending: list[tuple[Callable[[], np.ndarray], list[int]]] = []  # reads not made yet, in order
 
     def start(self, routing: np.ndarray | None) -> None:
         """A new context whose first positions (the prompt) routed as ``routing`` ``[T, L, k]``
         (``None``: unknown, and nothing is guessed in this call)."""
-        self._rows, self.length = None, 0
+        self._rows, self.length, self._pending = None, 0, []
         if routing is not None and routing.ndim == 3 and routing.shape[0] > 0 and routing.max() < 2 ** 15:
             self._rows = np.array(routing, dtype=np.int16)
             self.length = routing.shape[0]
@@ -51,6 +56,34 @@ class ContextRouting:
 
     def append(self, routing: np.ndarray) -> None:
         """The next positions' routing ``[n, L, k]`` (a cycle's root and accepted nodes, in order)."""
+        self._settle()
+        self._write(routing)
+
+    def append_later(self, read: Callable[[], np.ndarray], positions: list[int]) -> None:
+        """The next positions' routing: rows ``positions`` of what ``read()`` returns (a verify's ``[T, L, k]``
+        routing, :meth:`~specfit_hf.offload.ExpertCacheView.last_routing_later`), read once a caller asks for
+        the positions.  Most cycles of a call that runs drafted chains never do (only prompt-lookup proposals
+        read the context), and a verify's routing read every cycle was ~50 us of the policy's host time there
+        (CPU, emulated ``qwen3-pcie5``, GSM8K at 75 % cache)."""
+        if self._rows is None:
+            return
+        self._pending.append((read, positions))
+        self.length += len(positions)
+        if len(self._pending) >= _MAX_PENDING:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Make the pending reads, in order."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        self.length -= sum(len(positions) for _, positions in pending)
+        for read, positions in pending:
+            if self._rows is None:
+                return
+            self._write(read()[positions])
+
+    def _write(self, routing: np.ndarray) -> None:
         if self._rows is None or routing.shape[1:] != self._rows.shape[1:]:
             self.stop()  # another shape: stop guessing rather than misalign
             return
@@ -64,11 +97,12 @@ class ContextRouting:
 
     def stop(self) -> None:
         """Stop guessing for the rest of the call (the positions no longer line up with the context)."""
-        self._rows, self.length = None, 0
+        self._rows, self.length, self._pending = None, 0, []
 
     def known(self, start: int, count: int) -> np.ndarray | None:
         """``[count, L, k]`` routing of positions ``start .. start + count - 1`` when every one is known and
         names an expert in every slot (a view; ``None`` otherwise: see :meth:`at`)."""
+        self._settle()
         if self._rows is None or start < 0 or start + count > self.length:
             return None
         rows = self._rows[start:start + count]
@@ -76,6 +110,7 @@ class ContextRouting:
 
     def at(self, start: int, count: int) -> np.ndarray | None:
         """``[count, L, k]`` routing of positions ``start .. start + count - 1`` (-1 rows where unknown)."""
+        self._settle()
         if self._rows is None or start < 0:
             return None
         out = np.full((count, *self._rows.shape[1:]), -1, dtype=np.int64)
@@ -111,26 +146,22 @@ class ExpertForecast:
         self.experts = experts
         self.current: _TreePredictions | None = None
         self.context = ContextRouting()
-        self._routing: np.ndarray | None = None  # the last verify's routing, read once per cycle
 
     def start_context(self, routing: np.ndarray | None) -> None:
         """A ``generate`` call starts: the prefill routed the prompt's positions as ``routing`` (``[T, L, k]``,
         the context's first positions; ``None``: unknown)."""
-        self._routing = None
         self.context.start(None if self.experts is None else routing)
 
     def remember(self, root_position: int, verified: int, accepted_positions: list[int]) -> None:
         """After a verify of the root at ``root_position`` and ``verified`` nodes: the committed rows'
-        routing extends the context (the root's row, then the accepted nodes').  The routing read here
-        is also what :meth:`observe` teaches the predictor in the same cycle."""
-        self._routing = None
+        routing extends the context (the root's row, then the accepted nodes'), read when first needed."""
         if self.experts is None or not self.context.active:
             return
-        routing = self._routing = self.experts.last_routing(rows=1 + verified)
-        if routing is None or self.context.length != root_position:
+        read = self.experts.last_routing_later(rows=1 + verified)
+        if read is None or self.context.length != root_position:
             self.context.stop()  # positions no longer line up (e.g. a padded or chunked context)
             return
-        self.context.append(routing[accepted_positions])
+        self.context.append_later(read, list(accepted_positions))
 
     def lookup_misses(self, proposal: LookupProposal | None) -> tuple[np.ndarray, np.ndarray] | None:
         """From the routing of the text ``proposal`` repeats (:class:`ContextRouting`), for the root plus each
@@ -293,9 +324,7 @@ class ExpertForecast:
         if len(tree) == 0 and (self.predictor is None or not self.predictor.learns):
             return None  # a plain step teaches nothing here: skip reading the routing
         nodes = selection.nodes.numpy()
-        routing = self._routing
-        if routing is None or routing.shape[0] != 1 + nodes.size:
-            routing = self.experts.last_routing(rows=1 + nodes.size)
+        routing = self.experts.last_routing(rows=1 + nodes.size)
         if routing is None or self.predictor is None:
             return routing
         tokens = np.concatenate([[int(tree.root_token)], tree.tokens.numpy()[nodes]])
