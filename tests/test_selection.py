@@ -804,6 +804,42 @@ def test_a_chains_forecast_counts_the_drafting_stops_copies_as_its_own_seconds_d
     assert policy._stop_copies == 0
 
 
+def test_a_chains_forecast_adds_what_the_last_chain_cycles_ran_past_their_forecasts():
+    """Fixed-chain cycles that each run 5 ms longer than forecast move the next forecasts by their decayed mean
+    residual (none before a few cycles, and measured against the forecast before its residual)."""
+    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002), expert_predictor="none")
+    policy = get_policy("specfit", config)
+    policy.reset(ctx)
+    for _ in range(6):  # the kind is priced by its own cycles
+        policy.gate.observe("chain:2", 3, 0.03, loads=2, root_loads=1, t_expert=0.002, nodes=2, accepted=2)
+    policy.gate.choose = lambda: "chain:2"
+    state = policy.gate.state
+    forecasts = []
+    for cycle in range(8):
+        tree = DraftTree(root_token=5)
+        policy.select(tree, ctx)
+        tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
+        policy.select(tree, ctx)
+        tree.add_level(torch.tensor([11]), torch.tensor([0]), torch.tensor([0.9]))
+        sel = policy.select(tree, ctx)
+        assert sel.stop and sel.nodes.tolist() == [0, 1]
+        raw = sel.predicted_time - policy._residual  # the forecast before its residual
+        forecasts.append((sel.predicted_time, raw))
+        record = CycleRecord(nodes_drafted=2, nodes_verified=2, tokens_accepted=2, tokens_committed=3,
+                             cycle_seconds=raw + 0.005, draft_seconds=0.004, select_seconds=0.0,
+                             verify_seconds=raw + 0.001, levels_drafted=2, predicted_time=sel.predicted_time)
+        policy.observe(tree, sel, VerifyResult(accepted=[0, 1], accepted_positions=[0, 1, 2], new_tokens=[10, 11, 12],
+                                               bonus_token=12), record)
+    total, cycles = state.chain_residual
+    assert total / cycles == pytest.approx(0.005)
+    first, last = forecasts[0], forecasts[-1]
+    assert first[0] == pytest.approx(first[1])  # no residual while the chains have run under four cycles
+    assert last[0] == pytest.approx(last[1] + 0.005)  # then the mean of what they missed by
+    policy.gate.choose = lambda: "plain"
+    policy.select(DraftTree(root_token=5), ctx)
+    assert policy._residual is None  # a plain step's forecast is not a chain's
+
+
 def test_cycle_model_stays_valid_when_the_root_is_predicted_to_miss_a_lot():
     config, ctx = _ctx(cost=CostModel(t0=0.001, t_token=0.0, t_expert=0.002))
     policy = get_policy("specfit", config)

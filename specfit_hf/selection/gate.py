@@ -221,6 +221,8 @@ class DraftingMeasurements:
     node_fit: DecayedRidge = field(default_factory=lambda: DecayedRidge(ridge=_NODE_RIDGE))  # loads ~ nodes (a + b m)
     own_node_sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (extra loads, forecast)
     lookup_root_sums: tuple[float, float] = (0.0, 0.0)  # a lookup chain's root: (loads, root mean when it ran)
+    # fixed chains' cycles, decayed: (measured - forecast seconds, cycles) -- what the chain forecast misses
+    chain_residual: tuple[float, float] = (0.0, 0.0)
     call_cycle: int = 0  # cycles observed in the current call
     deepest_led: int = 0  # the deepest chain that has led for _LEAD_CYCLES cycles (DraftingGate.chain_limit)
     led_since: int = 0  # the cycle the current best kind took the lead

@@ -72,6 +72,9 @@ _MAX_CACHED = 64
 _CONTEXT_TRIALS = 2.0  # chain cycles (decayed) a lookup class needs before a lookup chain may replace a drafting kind
 _LOOKUP_REPLACES = 2  # a lookup chain may replace plain steps and fixed chains up to this many levels ...
 _LOOKUP_TOKENS = 4.0  # ... and deeper fixed chains whose cycles commit no more tokens than this
+_RESIDUAL_DECAY = 0.9  # per fixed-chain cycle: the chain forecast's residual follows the last ten or so
+_RESIDUAL_CYCLES = 4.0  # (decayed) chain cycles before the residual enters the forecast
+_RESIDUAL_CLIP = 0.25  # a cycle's residual counts up to this share of its forecast
 # the node lists a chain's selections use, made once (a tensor per level is host time every cycle)
 _PREFIXES = [torch.arange(n, dtype=torch.long) for n in range(_MAX_CACHED + 1)]
 _LAST = [torch.tensor([n], dtype=torch.long) for n in range(_MAX_CACHED)]
@@ -176,6 +179,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.drafting_stops = DraftingStops()
         self._stopping = False  # this chain cycle drafts its first level alone, to start its guessed copies
         self._stop_copies = 0  # experts this cycle's drafting stop copied (its forecast counts them resident)
+        self._residual: float | None = None  # the residual this fixed chain's forecast added (None: not one)
         self._prefetch_counts = (0, 0, 0)  # the runtime's (prefetches, used, used by a root) when last observed
 
     # -------------------------------------------------------------- lifecycle
@@ -284,6 +288,10 @@ class SpecFitPolicy(SelectionPolicy):
             nodes = _prefix(h)
         else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
+        if self._kind.startswith("chain:") and self.gate.own_seconds(self._kind) is not None:
+            # the cycle's forecast: what the prefix search priced, plus what the last chain cycles ran past theirs
+            self._residual = self._chain_residual()
+            seconds = max(seconds + self._residual, 1e-9)
         ahead = keep = None
         if self._prefetching():  # the verified prefix's guessed experts move while the verify's layers compute
             # The forecast keeps its loads: its fits learn from what cycles really loaded, which a copy used in
@@ -408,6 +416,24 @@ class SpecFitPolicy(SelectionPolicy):
         cost = self.costs.cycle_model(tree.num_levels, len(tree), self._root_guess)
         return cost.predict(verified + 1, misses)
 
+    def _chain_residual(self) -> float:
+        """Seconds the fixed chains' forecasts have lately missed by on average (measured minus forecast).
+
+        The forecast is the kind's own seconds beside its transfers plus the loads its nodes are predicted
+        to make.  Own seconds take off every copy the verify used as a load, while the forecast adds back
+        only the drafting stop's, and a cycle whose experts the heads guess resident still loads some:
+        its cycles ran longer than forecast by a near-constant (host time frozen, 16 GSM8K prompts,
+        quarter cache: the 4090 twin's chain cycles 15-27 % short, the GH200 ``+graphs`` twin's 27 %,
+        with forecast and measured correlated 0.95-0.98).  Charging the verify's expected copies per
+        cycle took the CPU's bias down but its error up (docs/acceptance, ``31d3196``); the residual's
+        recent mean moves the cycle's forecast by what the last cycles missed.  It is left out of the
+        prefix search: the same seconds on every prefix cut fewer prefixes, which cost where loads are
+        dear (host time frozen, 16 prompts: Mixtral 4090 twin, GSM8K at a quarter cache, 0.962x; 26
+        twin cells 1.005x geo-mean, 0.96-1.06x), and say nothing of what a further node costs.
+        """
+        total, cycles = self.gate.state.chain_residual
+        return total / cycles if cycles >= _RESIDUAL_CYCLES else 0.0
+
     def _stop_copies_used(self) -> float:
         """The copies of this cycle's drafting stop its verify is expected to use, in loads.
 
@@ -470,6 +496,7 @@ class SpecFitPolicy(SelectionPolicy):
         self._repeat = _UNSET
         self._kind = self.gate.choose()
         self._stop_copies = 0
+        self._residual = None
         self._proposal, self._context = proposal, lookup_context(proposal)
         if proposal is not None:
             chain = self._lookup_cycle(proposal)
@@ -720,6 +747,15 @@ class SpecFitPolicy(SelectionPolicy):
             self.prefetch_hits.observe(copies, copied)
             self._prefetch_counts = counts
         self.costs.observe(tree, selection, record, added, root_loads, self._root_guess, self._context_guess)
+        if (self._residual is not None and math.isfinite(record.cycle_seconds) and record.cycle_seconds > 0
+                and math.isfinite(record.predicted_time)):
+            # what this fixed chain's forecast missed by, before its residual
+            total, cycles = self.gate.state.chain_residual
+            forecast = record.predicted_time - self._residual
+            # one cycle moves it by at most a quarter of its forecast: a cycle that loaded far more than
+            # its forecast said is routing luck the next cycles do not share
+            missed = min(max(record.cycle_seconds - forecast, -_RESIDUAL_CLIP * forecast), _RESIDUAL_CLIP * forecast)
+            self.gate.state.chain_residual = (_RESIDUAL_DECAY * total + missed, _RESIDUAL_DECAY * cycles + 1.0)
         if math.isfinite(record.cycle_seconds) and record.cycle_seconds >= 0:  # 0: a stopped clock (tests)
             # The gate prices every kind's transfers from the loads of a plain step in its place (the root
             # mean) and the loads a chain's nodes add: an expert a chain copied ahead and then used counts
