@@ -781,16 +781,22 @@ def test_chain_cycles_draft_one_child_per_level_and_verify_the_whole_chain():
     assert policy.select(DraftTree(root_token=5), ctx).stop
 
 
-def test_a_chains_forecast_counts_the_drafting_stops_copies_as_its_own_seconds_do():
-    """A kind's own seconds count a copy its verify used as a load (its hidden time is in the shorter cycle);
-    the forecast counts the stop's copies resident.  The chain's forecast charges the copies the verify is
-    expected to use, so the copies' hidden time is not credited twice."""
+def _two_token_chains_priced():
+    """A specfit policy (no expert predictor) whose gate runs 2-token chains, priced by six of their own cycles."""
     config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002), expert_predictor="none")
     policy = get_policy("specfit", config)
     policy.reset(ctx)
     for _ in range(6):  # the kind is priced by its own cycles
         policy.gate.observe("chain:2", 3, 0.03, loads=2, root_loads=1, t_expert=0.002, nodes=2, accepted=2)
     policy.gate.choose = lambda: "chain:2"
+    return policy, ctx
+
+
+def test_a_chains_forecast_counts_the_drafting_stops_copies_as_its_own_seconds_do():
+    """A kind's own seconds count a copy its verify used as a load (its hidden time is in the shorter cycle);
+    the forecast counts the stop's copies resident.  The chain's forecast charges the copies the verify is
+    expected to use, so the copies' hidden time is not credited twice."""
+    policy, ctx = _two_token_chains_priced()
     policy.select(DraftTree(root_token=5), ctx)
     tree = DraftTree(root_token=5)
     tree.add_level(torch.tensor([10]), torch.tensor([-1]), torch.tensor([0.9]))
@@ -807,12 +813,7 @@ def test_a_chains_forecast_counts_the_drafting_stops_copies_as_its_own_seconds_d
 def test_a_chains_forecast_adds_what_the_last_chain_cycles_ran_past_their_forecasts():
     """Fixed-chain cycles that each run 5 ms longer than forecast move the next forecasts by their decayed mean
     residual (none before a few cycles, and measured against the forecast before its residual)."""
-    config, ctx = _ctx(cost=CostModel(t0=0.01, t_token=0.001, t_expert=0.002), expert_predictor="none")
-    policy = get_policy("specfit", config)
-    policy.reset(ctx)
-    for _ in range(6):  # the kind is priced by its own cycles
-        policy.gate.observe("chain:2", 3, 0.03, loads=2, root_loads=1, t_expert=0.002, nodes=2, accepted=2)
-    policy.gate.choose = lambda: "chain:2"
+    policy, ctx = _two_token_chains_priced()
     state = policy.gate.state
     forecasts = []
     for cycle in range(8):
