@@ -288,7 +288,7 @@ class SpecFitPolicy(SelectionPolicy):
             nodes = _prefix(h)
         else:  # not measured yet, or a sampled cycle: the tree's acceptance model
             expected = 1.0 + float(self.acceptance.path(tree).sum())
-        if self._kind.startswith("chain:") and self.gate.own_seconds(self._kind) is not None:
+        if self._own_seconds() is not None:
             # the cycle's forecast: what the prefix search priced, plus what the last chain cycles ran past theirs
             self._residual = self._chain_residual()
             seconds = max(seconds + self._residual, 1e-9)
@@ -409,12 +409,17 @@ class SpecFitPolicy(SelectionPolicy):
             missing = self._chain_missing(tree)  # (root with it)
         self._root_guess = self.forecast.root_guess(tree)
         misses = (self._root_guess or 0) if missing is None else int(missing[verified])
-        own = self.gate.own_seconds(self._kind) if self._kind.startswith("chain:") else None
+        own = self._own_seconds()
         if own is not None:
             loads = self.costs.expected_loads(verified, self._root_guess, misses) + self._stop_copies_used()
             return own + self.costs.t_expert * loads
         cost = self.costs.cycle_model(tree.num_levels, len(tree), self._root_guess)
         return cost.predict(verified + 1, misses)
+
+    def _own_seconds(self) -> float | None:
+        """A fixed chain's seconds beside its transfers, from its own cycles (``None``: not a chain, or not
+        measured enough); what its forecast is built on, and the forecasts the residual is learned from."""
+        return self.gate.own_seconds(self._kind) if self._kind.startswith("chain:") else None
 
     def _chain_residual(self) -> float:
         """Seconds the fixed chains' forecasts have lately missed by on average (measured minus forecast).
