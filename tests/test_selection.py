@@ -690,6 +690,51 @@ def _drafted_chain3(resident, t_expert, verify_fit=False):
     return policy, sel
 
 
+def test_a_chains_nodes_are_predicted_once_each_newest_levels_as_one_slice():
+    """A chain asks for every node after each stop: the forecast predicts only the levels drafted since, as one
+    slice of rows, and what it returns is what predicting every node at once gives (a tree's rows asked out of
+    order still take the general way)."""
+    from specfit_hf.selection.experts import ExpertPredictor
+    from specfit_hf.selection.forecast import ExpertForecast
+
+    class Counting(ExpertPredictor):
+        def __init__(self):
+            self.num_layers, self.top_k, self.calls = 1, 1, []
+
+        def predict_root(self, tree):
+            return np.array([[0]])
+
+        def predict(self, tree, nodes):
+            self.calls.append(("nodes", np.asarray(nodes).tolist()))
+            return (np.asarray(nodes) * 3 + 1).reshape(-1, 1, 1)
+
+        def predict_rows(self, tree, start, stop):
+            self.calls.append(("rows", start, stop))
+            return self.predict(tree, np.arange(start, stop))[:, :, :]
+
+    fixed = _FixedExperts([True] * 64)
+    predictor = Counting()
+    forecast = ExpertForecast(predictor, fixed)
+    tree = DraftTree(root_token=5)
+    got = []
+    for level, stop in enumerate((1, 4, 6)):
+        while len(tree) < stop:
+            tree.add_level(torch.tensor([10 + len(tree)]), torch.tensor([len(tree) - 1]), torch.tensor([0.5]))
+        nodes, root = forecast.nodes(tree)
+        got.append(nodes.copy())
+        assert forecast.nodes(tree)[0] is nodes  # asked again: nothing new to predict
+    assert got[-1][:, 0, 0].tolist() == [3 * i + 1 for i in range(6)]
+    assert [c for c in predictor.calls if c[0] == "rows"] == [("rows", 1, 4), ("rows", 4, 6)]
+    assert forecast.chain_missing(tree).tolist() == [0] * 7  # every expert resident
+    # a tree's rows asked out of order, then every node: only the ones not asked yet are predicted
+    other = ExpertForecast(Counting(), fixed)
+    tree = DraftTree(root_token=5)
+    tree.add_level(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, -1]), torch.tensor([0.5, 0.3, 0.2]))
+    other.nodes(tree, np.array([2]))
+    assert other.nodes(tree)[0][:, 0, 0].tolist() == [1, 4, 7]
+    assert other.predictor.calls == [("nodes", [2]), ("nodes", [0, 1])]
+
+
 def test_a_fixed_chains_forecast_counts_the_experts_its_nodes_are_predicted_to_miss():
     times = {}
     for label, resident in (("warm", [True] * 16), ("cold", [True] * 1 + [False] * 15)):

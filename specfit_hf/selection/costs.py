@@ -152,9 +152,15 @@ class CycleCostTracker:
     def expected_loads(self, nodes: int, root_predicted: int | None, missing: int) -> float:
         """Expected loads of verifying the root and ``nodes`` nodes whose union the forecast says misses
         ``missing`` experts (the root's ``root_predicted`` among them): what :meth:`cycle_model` charges."""
+        root, per_node, per_miss, root_missing = self.loads_terms(root_predicted)
+        return root + per_node * nodes + per_miss * (missing - root_missing)
+
+    def loads_terms(self, root_predicted: int | None) -> tuple[float, float, float, int]:
+        """``(r, g r, b, root_predicted or 0)``: :meth:`expected_loads` is ``r + g r nodes + b (missing - that)``
+        (for a caller pricing many prefixes at once; the same operations, so the same bits)."""
         g, b = self.node_loads
         root = self.expected_root_loads(root_predicted)
-        return root + g * root * nodes + b * (missing - (root_predicted or 0))
+        return root, g * root, b, root_predicted or 0
 
     def cycle_model(self, levels: int, nodes: int, root_predicted: int | None = None) -> CostModel:
         """The cost model of a whole cycle that drafted ``levels`` levels of ``nodes`` nodes (drafting is in ``t0``).

@@ -68,6 +68,10 @@ class ExpertPredictor:
         """(root ``[L, k]``, nodes ``[len(nodes), L, k]``): :meth:`predict_root` and :meth:`predict` at once."""
         return self.predict_root(tree), self.predict(tree, nodes)
 
+    def predict_rows(self, tree: DraftTree, start: int, stop: int) -> np.ndarray:
+        """:meth:`predict` of the nodes ``start .. stop - 1`` (a chain's newest levels)."""
+        return self.predict(tree, np.arange(start, stop))
+
     def observe(self, tokens: np.ndarray, routing: np.ndarray) -> None:
         """Verified rows: token ids ``[T]`` and the experts they were routed to ``[T, L, k]``."""
 
@@ -244,6 +248,11 @@ class DraftHeadPredictor(ExpertPredictor):
         if tree.root_hidden is None:
             return self._empty(1)[0]
         return self._heads(tree.root_hidden.reshape(1, -1))[0]
+
+    def predict_rows(self, tree: DraftTree, start: int, stop: int) -> np.ndarray:
+        if tree.hidden is None:
+            return self._empty(stop - start)
+        return self._heads(tree.hidden[start:stop])
 
     def predict_with_root(self, tree: DraftTree, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if tree.root_hidden is None or tree.hidden is None:

@@ -128,6 +128,7 @@ class _TreePredictions:
         self.root: np.ndarray | None = None  # predicted when first asked for
         self.nodes: np.ndarray | None = None
         self.done = np.zeros(0, dtype=bool)  # which node rows hold predictions
+        self.upto = 0  # rows 0 .. upto - 1 hold predictions (a chain's are made in order)
         self.root_missing: int | None = None
         self.chain: _ChainMisses | None = None  # prefix misses while the tree is a chain
 
@@ -213,18 +214,34 @@ class ExpertForecast:
         """``[L, E]`` residents when the current cycle's predictions started."""
         return None if self.current is None else self.current.cached
 
-    def nodes(self, tree: DraftTree, need: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(node experts ``[N, L, k]``, root experts); rows neither in ``need`` nor predicted before are -1."""
+    def nodes(self, tree: DraftTree, need: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """(node experts ``[N, L, k]``, root experts); rows neither in ``need`` (``None``: every node) nor
+        predicted before are -1."""
         if self.predictor is None:
             return None
         self.snapshot(tree)
+        n = len(tree)
         if self.current.root is None:
-            self._start(tree, need)
+            self._start(tree, np.arange(n) if need is None else need)
+            if need is None:
+                self.current.upto = n
         pred = self.current
-        grow = len(tree) - pred.nodes.shape[0]
+        grow = n - pred.nodes.shape[0]
         if grow > 0:
             pred.nodes = np.concatenate([pred.nodes, np.full((grow, *pred.root.shape), -1, dtype=np.int64)])
             pred.done = np.concatenate([pred.done, np.zeros(grow, dtype=bool)])
+        if need is None:
+            start = pred.upto
+            if start < n and not pred.done[start:n].any():  # a chain's newest levels: one slice of rows
+                rows = getattr(self.predictor, "predict_rows", None)  # (an ExpertPredictor's; duck-typed ones lack it)
+                pred.nodes[start:n] = (rows(tree, start, n) if rows is not None
+                                       else self.predictor.predict(tree, np.arange(start, n)))
+                pred.done[start:n] = True
+                pred.upto = n
+                return pred.nodes, pred.root
+            if start >= n:
+                return pred.nodes, pred.root
+            need = np.arange(n)
         todo = need[~pred.done[need]]
         if todo.size:
             pred.nodes[todo] = self.predictor.predict(tree, todo)
@@ -291,7 +308,7 @@ class ExpertForecast:
         What :class:`MissingCounter` counts for each prefix, extended by the new nodes only,
         level by level.  ``None`` without a forecast.
         """
-        experts = self.nodes(tree, np.arange(len(tree)))
+        experts = self.nodes(tree)
         if experts is None:
             return None
         pred = self.current

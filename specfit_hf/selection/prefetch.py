@@ -29,26 +29,39 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DraftingStops", "PrefetchHits", "any_missing", "predicted_residents", "prefetch_plan"]
+__all__ = ["DraftingStops", "NamedExperts", "PrefetchHits", "any_missing", "named_experts", "predicted_residents",
+           "prefetch_plan"]
+
+#: ``(row, layer, expert, missing)``: every expert some row names, in (row, layer, rank) order, and whether the
+#: cache lacks it (:func:`named_experts`; the three functions below share it, read once per plan)
+NamedExperts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def any_missing(rows: np.ndarray, cached: np.ndarray) -> bool:
-    """Whether ``rows`` (``[R, L, k]`` predicted experts, -1: none) name an expert ``cached`` (``[L, E]``) lacks."""
+def named_experts(rows: np.ndarray, cached: np.ndarray) -> NamedExperts:
+    """The experts ``rows`` (``[R, L, k]`` predicted experts, -1: none) name, and which of them ``cached``
+    (``[L, E]``) lacks."""
     valid = rows >= 0
-    return not cached[np.nonzero(valid)[1], rows[valid]].all()
+    row, layer, _ = np.nonzero(valid)  # (row, layer, rank) order: the order the rows name their experts
+    expert = rows[valid]
+    return row, layer, expert, ~cached[layer, expert]
 
 
-def predicted_residents(rows: np.ndarray, cached: np.ndarray) -> np.ndarray:
+def any_missing(rows: np.ndarray, cached: np.ndarray, named: NamedExperts | None = None) -> bool:
+    """Whether ``rows`` (``[R, L, k]`` predicted experts, -1: none) name an expert ``cached`` (``[L, E]``) lacks."""
+    return bool((named or named_experts(rows, cached))[3].any())
+
+
+def predicted_residents(rows: np.ndarray, cached: np.ndarray, named: NamedExperts | None = None) -> np.ndarray:
     """``[L, E]`` bool: the residents (``cached``) that ``rows`` (``[R, L, k]`` predicted experts, -1: none) name."""
-    named = np.zeros_like(cached)
-    _, layer, _ = np.nonzero(rows >= 0)
-    named[layer, rows[rows >= 0]] = True
-    return named & cached
+    _, layer, expert, _ = named or named_experts(rows, cached)
+    out = np.zeros_like(cached)
+    out[layer, expert] = True
+    return out & cached
 
 
 def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, window: np.ndarray, busy: float,
                   each: float, layer_by_layer: bool = False,
-                  room: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+                  room: np.ndarray | None = None, named: NamedExperts | None = None) -> tuple[np.ndarray, float]:
     """The ``[P, 2]`` (layer position, expert) pairs worth copying now, in copy order, and the seconds of
     transfers they are expected to take off the verify's path.
 
@@ -69,13 +82,11 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
             layer's time from the start of its copies to its need.
         room: ``[L]`` the most copies each layer may take (its slots that hold no resident the verify
             is predicted to use); ``None``: no limit.
+        named: :func:`named_experts` of ``rows`` and ``cached``, when the caller has it.
     """
     taken: list[tuple[int, int]] = []
     hidden, start = 0.0, busy  # start: when the next copy would start, from now
-    valid = rows >= 0
-    row, layer, _ = np.nonzero(valid)  # (row, layer, rank) order: the order the rows name their experts
-    expert = rows[valid]
-    missing = ~cached[layer, expert]
+    row, layer, expert, missing = named or named_experts(rows, cached)
     if each <= 0 or not missing.any():
         return np.zeros((0, 2), dtype=np.int64), hidden
     # each missing (layer, expert) once, with the probability of the likeliest row naming it; candidates of

@@ -60,7 +60,7 @@ from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
-from .prefetch import DraftingStops, PrefetchHits, any_missing, predicted_residents, prefetch_plan
+from .prefetch import DraftingStops, PrefetchHits, named_experts, predicted_residents, prefetch_plan
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
@@ -327,15 +327,19 @@ class SpecFitPolicy(SelectionPolicy):
         v = gate.state.sums[self._kind]
         mean_nodes = float(v[3] / v[2])  # the nodes the kind's own seconds were measured at
         novelty = gate.novelty()
-        # every prefix's new experts in one interpolation (a call per prefix was most of this method's time)
-        novel, novel_mean = novel_at(novelty, np.arange(n)).tolist(), novel_at(novelty, mean_nodes)
+        # every prefix's new experts at once: at whole depths the interpolation is the table itself
+        novel = novelty[:n].tolist() if n <= novelty.size else novel_at(novelty, np.arange(n)).tolist()
+        novel_mean = novel_at(novelty, mean_nodes)
         tokens, misses = ct[:n].tolist(), missing[:n].tolist()
         scale = expected / float(ct[n])
         best = (n, expected, seconds)
         copies = self._stop_copies_used()
+        # each prefix's expected loads, :meth:`~.costs.CycleCostTracker.expected_loads` term by term
+        root, per_node, per_miss, root_missing = costs.loads_terms(self._root_guess)
+        t_token, t_novel, t_expert = verify.t_token, verify.t_novel, costs.t_expert
         for h in range(1, n):
-            compute = verify.t_token * (h - mean_nodes) + verify.t_novel * (novel[h] - novel_mean)
-            t = own + compute + costs.t_expert * (costs.expected_loads(h, self._root_guess, int(misses[h])) + copies)
+            compute = t_token * (h - mean_nodes) + t_novel * (novel[h] - novel_mean)
+            t = own + compute + t_expert * (root + per_node * h + per_miss * (misses[h] - root_missing) + copies)
             e = tokens[h] * scale
             if t > 0 and e * best[2] > best[1] * t:
                 best = (h, e, t)
@@ -367,12 +371,13 @@ class SpecFitPolicy(SelectionPolicy):
         of it to arrive).  The cycle's later predictions count them resident (a drafting-time copy is not a
         load the chain's forecast prices, as it is not one the runtime counts once used).
         """
-        predicted = self.forecast.nodes(tree, np.arange(len(tree)))
+        predicted = self.forecast.nodes(tree)
         if predicted is None or seconds is None:
             return None, 0.0, None
         nodes, root = predicted
         rows, cached = np.concatenate([root[None], nodes[:verified]]), self.forecast.cached
-        if not any_missing(rows, cached):  # nothing to copy (most plans at a high cache fraction): no plan
+        named = named_experts(rows, cached)
+        if not named[3].any():  # nothing to copy (most plans at a high cache fraction): no plan
             return None, 0.0, None
         view = self.forecast.experts
         each = view.transfer_seconds() or self.costs.t_expert
@@ -385,10 +390,10 @@ class SpecFitPolicy(SelectionPolicy):
         depths = self.gate.depth_acceptance()  # a chain's nodes are reached with the chains' per-depth rates
         reach = self.acceptance.path(tree)[:verified] if depths is None else np.cumprod(depths[:verified])
         needed = self.prefetch_hits.rate * np.concatenate(([1.0], reach))
-        keep = predicted_residents(rows, cached)
+        keep = predicted_residents(rows, cached, named)
         pairs, hidden = prefetch_plan(rows, needed, cached, window,
                                       0.0 if layer_by_layer else view.link_busy_seconds(), each, layer_by_layer,
-                                      room=view.slots() - keep.sum(axis=1))
+                                      room=view.slots() - keep.sum(axis=1), named=named)
         if pairs.size == 0:
             return None, 0.0, None
         self.forecast.assume_resident(pairs)
