@@ -401,6 +401,44 @@ def test_sibling_ranks():
     assert sibling_ranks(tree).tolist() == [2, 0, 1, 1, 0]
 
 
+def test_per_rank_acceptance_learns_alike_one_child_per_parent_or_many():
+    """A chain's cycle (one child seen per parent) takes the host-float path; its per-rank counts are the ones the
+    general per-parent update gives, bit for bit, and a tree's cycle (siblings seen) still takes that update."""
+    from specfit_hf.selection.acceptance import _CHILD_DECAY, _MAX_RANKS, AcceptanceModel, sibling_ranks
+
+    def by_parent(model, tree, seen, accepted):  # the general update, for reference
+        ranks, parents = sibling_ranks(tree)[seen], tree.parents.numpy()[seen]
+        for parent in np.unique(parents):
+            among = np.nonzero(parents == parent)[0]
+            rank = np.minimum(ranks[among], _MAX_RANKS - 1)
+            model.rank_accepted[rank] *= _CHILD_DECAY
+            model.rank_trials[rank] *= _CHILD_DECAY
+            np.add.at(model.rank_accepted, rank, accepted[among].astype(np.float64))
+            np.add.at(model.rank_trials, rank, 1.0)
+
+    chain = DraftTree(root_token=1)
+    for level in range(6):
+        chain.add_level(torch.tensor([10 + level]), torch.tensor([level - 1]), torch.tensor([0.3 + 0.1 * level]))
+    tree = DraftTree(root_token=1)
+    tree.add_level(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, -1]), torch.tensor([0.2, 0.5, 0.3]))
+    tree.add_level(torch.tensor([4, 5]), torch.tensor([1, 1]), torch.tensor([0.1, 0.9]))
+    cases = [(chain, Selection(nodes=torch.arange(6)), [0, 1, 2]), (chain, Selection(nodes=torch.arange(4)), [0, 1, 2, 3]),
+             (tree, Selection(nodes=torch.tensor([1, 4])), [1, 4])]
+    for tr, sel, acc in cases:
+        result = VerifyResult(accepted=acc, accepted_positions=list(range(len(acc) + 1)), new_tokens=[0] * (len(acc) + 1),
+                              bonus_token=0)
+        fast, ref = AcceptanceModel(AcceptanceCalibrator()), AcceptanceModel(AcceptanceCalibrator())
+        for _ in range(3):
+            fast.observe(tr, sel, result, greedy=True)
+            seen, accepted = acceptance_outcomes(tr, sel, result, include_unverified=True)
+            ref.calibrator.update(tr.draft_probs.numpy()[seen], accepted, tr.depths.numpy()[seen],
+                                  sibling_ranks(tr)[seen])
+            by_parent(ref, tr, seen, accepted)
+        assert fast.rank_accepted.tolist() == ref.rank_accepted.tolist()
+        assert fast.rank_trials.tolist() == ref.rank_trials.tolist()
+        assert fast.rank_trials[0] != AcceptanceModel(AcceptanceCalibrator()).rank_trials[0]  # it learnt
+
+
 def test_calibrator_corrects_an_underconfident_draft_everywhere_and_per_rank():
     rng = np.random.default_rng(0)
     cal = AcceptanceCalibrator(num_bins=20, depth_aware=False)

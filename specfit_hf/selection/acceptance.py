@@ -321,6 +321,16 @@ class AcceptanceModel:
         ranks = sibling_ranks(tree)[seen]
         self.calibrator.update(probs, accepted, depths, ranks)
         parents = tree.parents.numpy()[seen]
+        order = np.argsort(parents, kind="stable")
+        if parents.size < 2 or (np.diff(parents[order]) > 0).all():
+            # one child seen per parent (a chain's nodes): the same updates, parent by parent, on host floats
+            ranks_, hits = np.minimum(ranks[order], _MAX_RANKS - 1).tolist(), accepted[order].tolist()
+            rank_accepted, rank_trials = self.rank_accepted.tolist(), self.rank_trials.tolist()
+            for rank, hit in zip(ranks_, hits):
+                rank_accepted[rank] = rank_accepted[rank] * _CHILD_DECAY + float(hit)
+                rank_trials[rank] = rank_trials[rank] * _CHILD_DECAY + 1.0
+            self.rank_accepted[:], self.rank_trials[:] = rank_accepted, rank_trials
+            return
         for parent in np.unique(parents):
             among = np.nonzero(parents == parent)[0]
             rank = np.minimum(ranks[among], _MAX_RANKS - 1)

@@ -314,9 +314,10 @@ class ExpertForecast:
         pred = self.current
         if pred.chain is None:
             pred.chain = _ChainMisses(pred.root, pred.cached)
-            if pred.root_missing is None:  # the root's misses, counted once (root_missing asks next)
-                pred.root_missing = pred.chain.out[0]
-        return pred.chain.extend(pred.nodes)
+        out = pred.chain.extend(pred.nodes)
+        if pred.root_missing is None:  # the root's misses, counted once (root_missing asks next)
+            pred.root_missing = pred.chain.out[0]
+        return out
 
     def selection_missing(self, tree: DraftTree, selection: Selection) -> int | None:
         """Predicted misses of verifying the root and ``selection`` (``None`` if not predicted for this tree)."""
@@ -398,21 +399,25 @@ class MissingCounter:
 
 
 class _ChainMisses:
-    """Prefix misses of a chain, extended node by node (each adds the costly experts no one before it brought)."""
+    """Prefix misses of a chain, extended node by node (each adds the costly experts no one before it brought).
+
+    The root is counted with the first nodes, as the block's first row (:attr:`out` is empty until then)."""
 
     def __init__(self, root: np.ndarray, cached: np.ndarray) -> None:
-        self.off, self.costly, root_missing = _after_root(root, cached, cached.shape[1])
-        self.out = [root_missing]
+        self.root = root
+        self.off = (np.arange(root.shape[0]) * cached.shape[1])[:, None]
+        self.costly = ~cached.reshape(-1)  # the experts a row still pays for
+        self.out: list[int] = []  # misses of the root, then of the root and each prefix
 
     def extend(self, nodes: np.ndarray) -> np.ndarray:
-        start = len(self.out) - 1
+        start = len(self.out) - 1  # node rows counted (-1: not the root either)
         if nodes.shape[0] > start:
             # the new rows at once: each costly id is paid by the first row that names it (one
             # unique over the rows, not one per row; this runs in every fixed chain's cycle)
-            rows = nodes[start:]
+            rows = np.concatenate([self.root[None], nodes]) if start < 0 else nodes[start:]
             ids = np.where(rows >= 0, rows + self.off[None], -1).reshape(rows.shape[0], -1)
             new, row = _first_rows(ids, (ids >= 0) & self.costly[np.maximum(ids, 0)])
             paid = np.bincount(row, minlength=rows.shape[0])
             self.costly[new] = False
-            self.out.extend((self.out[-1] + np.cumsum(paid)).tolist())
+            self.out.extend(((self.out[-1] if self.out else 0) + np.cumsum(paid)).tolist())
         return np.array(self.out, dtype=np.int64)

@@ -89,7 +89,8 @@ class LookupAcceptance:
         if not self._following:
             return
         accepted, tried = self.counts
-        alive = []
+        cells: dict[tuple[int, int], list[float]] = {}  # (row, depth) -> [accepted, tried]: the same additions
+        alive = []                                     # on host floats, written back once (not an array op each)
         for follow in self._following:
             tokens, row, depth = follow
             for token in committed:
@@ -97,14 +98,19 @@ class LookupAcceptance:
                     break
                 hit = tokens.pop(0) == token
                 d = min(depth, self.max_depth - 1)
-                tried[row, d] += 1.0
-                accepted[row, d] += float(hit)
+                cell = cells.get((row, d))
+                if cell is None:
+                    cell = cells[(row, d)] = [float(accepted[row, d]), float(tried[row, d])]
+                cell[1] += 1.0
+                cell[0] += float(hit)
                 depth += 1
                 if not hit:
                     tokens.clear()
             if tokens:
                 follow[2] = depth
                 alive.append(follow)
+        for (row, d), (hits, tries) in cells.items():
+            accepted[row, d], tried[row, d] = hits, tries
         self._following = alive
 
 

@@ -27,6 +27,8 @@ at 72.0 ms against 69.5 ms copying nothing; keeping them, 67.8 ms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 __all__ = ["DraftingStops", "NamedExperts", "PrefetchHits", "any_missing", "named_experts", "predicted_residents",
@@ -59,7 +61,7 @@ def predicted_residents(rows: np.ndarray, cached: np.ndarray, named: NamedExpert
     return out & cached
 
 
-def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, window: np.ndarray, busy: float,
+def prefetch_plan(rows: np.ndarray, needed: Sequence[float], cached: np.ndarray, window: Sequence[float], busy: float,
                   each: float, layer_by_layer: bool = False,
                   room: np.ndarray | None = None, named: NamedExperts | None = None) -> tuple[np.ndarray, float]:
     """The ``[P, 2]`` (layer position, expert) pairs worth copying now, in copy order, and the seconds of
@@ -92,7 +94,7 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
     # each missing (layer, expert) once, with the probability of the likeliest row naming it; candidates of
     # a layer are taken most likely first, ties in the order the rows first name them.  A few dozen
     # candidates: host loops cost less than array calls here (this runs every chain cycle)
-    probability = needed.tolist()
+    probability = _floats(needed)
     candidates: dict[tuple[int, int], list] = {}  # (layer, expert) -> [layer, -p, first naming, expert]
     for first, (row_, layer_, expert_) in enumerate(zip(row[missing].tolist(), layer[missing].tolist(),
                                                          expert[missing].tolist())):
@@ -101,7 +103,7 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
             candidates[(layer_, expert_)] = [layer_, -probability[row_], first, expert_]
         elif -probability[row_] < seen[1]:
             seen[1] = -probability[row_]
-    limits = window.tolist()
+    limits = _floats(window)
     left = [np.inf] * cached.shape[0] if room is None else room.tolist()  # copies each layer may still take
     current = -1
     for layer_, p_, _, expert_ in sorted(candidates.values()):
@@ -115,6 +117,11 @@ def prefetch_plan(rows: np.ndarray, needed: np.ndarray, cached: np.ndarray, wind
             start += each
             left[layer_] -= 1
     return np.array(taken, dtype=np.int64).reshape(-1, 2), hidden
+
+
+def _floats(values: Sequence[float]) -> list[float]:
+    """``values`` as a list of host floats (an array's ``tolist``)."""
+    return values.tolist() if isinstance(values, np.ndarray) else [float(v) for v in values]
 
 
 class PrefetchHits:

@@ -30,7 +30,9 @@ Without an offload runtime there is no expert term.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -382,14 +384,18 @@ class SpecFitPolicy(SelectionPolicy):
         view = self.forecast.experts
         each = view.transfer_seconds() or self.costs.t_expert
         layers = root.shape[0]
+        # host floats: a plan reads a few dozen numbers, where each array call costs more than the arithmetic
         if layer_by_layer:
-            window = np.full(layers, seconds / layers)
-            window[0] = 0.0  # the first layer's copies would start with the verify itself
+            window = [0.0] + [seconds / layers] * (layers - 1)  # the first layer's copies start with the verify
         else:
-            window = np.full(layers, seconds)
+            window = [seconds] * layers
         depths = self.gate.depth_acceptance()  # a chain's nodes are reached with the chains' per-depth rates
-        reach = self.acceptance.path(tree)[:verified] if depths is None else np.cumprod(depths[:verified])
-        needed = self.prefetch_hits.rate * np.concatenate(([1.0], reach))
+        if depths is None:
+            reach = self.acceptance.path(tree)[:verified].tolist()
+        else:
+            reach = list(itertools.accumulate(depths[:verified].tolist(), operator.mul))  # (np.cumprod's products)
+        rate = self.prefetch_hits.rate
+        needed = [rate * 1.0] + [rate * r for r in reach]
         keep = predicted_residents(rows, cached, named)
         pairs, hidden = prefetch_plan(rows, needed, cached, window,
                                       0.0 if layer_by_layer else view.link_busy_seconds(), each, layer_by_layer,
