@@ -298,6 +298,9 @@ class OffloadRuntime:
         shared = (table is not None and table.ndim == 2 and table.shape[0] == len(rows)
                   and all(r.base is table and r.ctypes.data == table[i].ctypes.data for i, r in enumerate(rows)))
         self._slot_table = table if shared else None
+        # slots are fixed when the caches are made: every chain cycle's prefetch plan reads them
+        self._slot_counts = np.array([layer.cache.num_slots for layer in layers], dtype=np.int64)
+        self._slot_counts.setflags(write=False)
         self._pinner: Optional[HostPinner] = None  # set by offload_experts on CUDA
         # the emulated link's queue: when (clock()) its last prefetch ends; and whether any prefetch has been
         # issued since the last flush (forwards check their slots' arrivals only then)
@@ -349,8 +352,8 @@ class OffloadRuntime:
         return torch.from_numpy(self._layer(layer_idx).cache.slot_of >= 0)
 
     def slot_counts(self) -> np.ndarray:
-        """``[L]`` int: device slots of every MoE layer's cache, layers in ``moe_layers`` order."""
-        return np.array([layer.cache.num_slots for layer in self._layers.values()], dtype=np.int64)
+        """``[L]`` int (read-only): device slots of every MoE layer's cache, layers in ``moe_layers`` order."""
+        return self._slot_counts
 
     def resident_masks(self) -> np.ndarray:
         """Bool ``[L, E]`` (numpy, a copy): residents of every MoE layer's cache now, layers in ``moe_layers`` order."""

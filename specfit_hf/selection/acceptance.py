@@ -153,6 +153,8 @@ def sibling_ranks(tree: DraftTree) -> np.ndarray:
 
 def _ranks(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     """Rank of each node among the nodes with the same parent, by ``probs`` descending (ties by index)."""
+    if len(set(parents.tolist())) == parents.size:  # an only child each (a chain): every rank is 0
+        return np.zeros(parents.size, dtype=np.int64)
     order = np.lexsort((np.arange(parents.size), -probs, parents))  # by parent, then prob desc
     ranks = np.empty(parents.size, dtype=np.int64)
     sorted_parents = parents[order]
@@ -196,9 +198,10 @@ def acceptance_outcomes(
         choice_after = {-1: int(result.new_tokens[0])}
         for i, v in enumerate(accepted):
             choice_after[v] = int(result.new_tokens[i + 1])
-        parents = tree.parents.numpy()
-        seen = np.nonzero(np.isin(parents, np.array(list(choice_after), dtype=np.int64)))[0].astype(np.int64)
-        target = np.array([choice_after[int(p)] for p in parents[seen]], dtype=np.int64)
+        parents = tree.parents.numpy().tolist()  # a few dozen nodes: a set lookup each (np.isin sorts)
+        seen = [i for i, p in enumerate(parents) if p in choice_after]
+        target = np.array([choice_after[parents[i]] for i in seen], dtype=np.int64)
+        seen = np.array(seen, dtype=np.int64)
         return seen, tree.tokens.numpy()[seen] == target
     if nodes.size == 0:
         return nodes.astype(np.int64), np.zeros(0, dtype=bool)

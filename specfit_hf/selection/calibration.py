@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import statistics
 from collections import deque
 from typing import Any, Callable, Hashable, Iterable, Sequence
@@ -272,13 +273,13 @@ class OnlineCostModel:
         verify measures the fixed cost alone: the last :data:`_ANCHORS` of them stay in the fit after
         they leave the window, and the prior's fixed cost is theirs (:meth:`_prior`).
         """
-        if not np.isfinite(seconds) or seconds <= 0:
+        if not math.isfinite(seconds) or seconds <= 0:
             return
         sample = (float(tokens), float(misses), float(seconds), float(novel))
         self.samples.append(sample)
         if tokens <= 1:
             self._anchors.append((self._added, sample))
-        if predicted is not None and np.isfinite(predicted):
+        if predicted is not None and math.isfinite(predicted):
             self.predicted.append(float(predicted))
             self.measured.append(float(seconds))
         self._added += 1
