@@ -150,7 +150,10 @@ def nonnegative_quadratic(m: Sequence[Sequence[float]], r: Sequence[float]) -> l
     after every drafting cycle, where a numpy solve costs more host time than the rest of it.
     """
     n = len(r)
-    for free in _ACTIVE_SETS[n]:
+    sol = _solve_small([list(row) for row in m], list(r))  # every coefficient free (the usual case)
+    if sol is not None and min(sol) >= 0:
+        return sol
+    for free in _ACTIVE_SETS[n][1:]:
         sol = _solve_small([[m[i][j] for j in free] for i in free], [r[i] for i in free])
         if sol is None or min(sol) < 0:
             continue
@@ -177,14 +180,16 @@ def _solve_small(a: list[list[float]], b: list[float]) -> list[float] | None:
             return None
         return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
 
-    def det3(c: list[list[float]]) -> float:
-        return (c[0][0] * (c[1][1] * c[2][2] - c[1][2] * c[2][1]) - c[0][1] * (c[1][0] * c[2][2] - c[1][2] * c[2][0])
-                + c[0][2] * (c[1][0] * c[2][1] - c[1][1] * c[2][0]))
-
-    det = det3(a)
-    if det <= 1e-30 * max(a[0][0] * a[1][1] * a[2][2], 1e-300):
+    # each determinant expanded along its first row, with column k replaced by b for the k-th unknown (the
+    # operations of one 3 x 3 determinant helper, written out: this runs after every drafting cycle)
+    (a00, a01, a02), (a10, a11, a12), (a20, a21, a22) = a
+    b0, b1, b2 = b
+    det = a00 * (a11 * a22 - a12 * a21) - a01 * (a10 * a22 - a12 * a20) + a02 * (a10 * a21 - a11 * a20)
+    if det <= 1e-30 * max(a00 * a11 * a22, 1e-300):
         return None
-    return [det3([[b[i] if j == k else a[i][j] for j in range(3)] for i in range(3)]) / det for k in range(3)]
+    return [(b0 * (a11 * a22 - a12 * a21) - a01 * (b1 * a22 - a12 * b2) + a02 * (b1 * a21 - a11 * b2)) / det,
+            (a00 * (b1 * a22 - a12 * b2) - b0 * (a10 * a22 - a12 * a20) + a02 * (a10 * b2 - b1 * a20)) / det,
+            (a00 * (a11 * b2 - b1 * a21) - a01 * (a10 * b2 - b1 * a20) + b0 * (a10 * a21 - a11 * a20)) / det]
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:

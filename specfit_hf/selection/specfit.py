@@ -301,8 +301,9 @@ class SpecFitPolicy(SelectionPolicy):
             # 11 % short at a quarter cache).  Reading ``model`` refits the verification fit when due; in a run
             # of fixed chains this read is what renews the fit the gate and the prefix search use.
             verify = self.costs.model
-            ahead, _, keep = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
-                                            layer_by_layer=True)
+            if missing is None or missing[len(nodes)] > 0:  # (none of the prefix's guessed experts missing: no plan)
+                ahead, _, keep = self._prefetch(tree, len(nodes), (verify.t0 + verify.t_token * (len(nodes) + 1)),
+                                                layer_by_layer=True)
         return Selection(nodes=nodes, expected_tokens=expected, predicted_time=seconds,
                          throughput=math.inf if seconds == 0 else expected / seconds, stop=True,
                          prefetch_ahead=ahead, keep_resident=keep)
