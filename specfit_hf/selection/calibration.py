@@ -60,15 +60,24 @@ def fit_cost_model(samples: Iterable[Sequence[float]], prior: CostModel | None =
         raise ValueError("cost samples are (tokens, misses, seconds) or (tokens, misses, seconds, novel), all alike")
     if data.shape[0] == 0 and prior is None:
         raise ValueError("fit_cost_model needs samples or a prior")
-    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], *([data[:, 3]] if width == 4 else [])])
+    n = len(data)
+    pinned = prior is not None and prior_weight > 0
+    # the design [1, tokens, misses(, novel)] weighted by 1 / seconds, and the prior's pseudo-rows below it, in one
+    # array (a refit runs every few cycles inside generation: each array call here is host time)
+    a = np.zeros((n + (width if pinned else 0), width))
     y = data[:, 2]
     w = 1.0 / np.maximum(y, 1e-9)
-    a, b = x * w[:, None], y * w
-    if prior is not None and prior_weight > 0:
+    a[:n, 0] = 1.0
+    a[:n, 1:3] = data[:, :2]
+    if width == 4:
+        a[:n, 3] = data[:, 3]
+    a[:n] *= w[:, None]
+    b = y * w
+    if pinned:
         p = np.array([prior.t0, prior.t_token, prior.t_expert, prior.t_novel][:width])
         # pin coefficient j with strength proportional to its typical contribution
-        scale = np.maximum(np.abs(a).mean(axis=0) if len(a) else np.ones(width), 1e-12) * np.sqrt(prior_weight)
-        a = np.vstack([a, np.diag(scale)])
+        scale = np.maximum(np.abs(a[:n]).mean(axis=0) if n else np.ones(width), 1e-12) * np.sqrt(prior_weight)
+        a[n + np.arange(width), np.arange(width)] = scale
         b = np.concatenate([b, scale * p])
     if a.shape[0] == 0:
         assert prior is not None
