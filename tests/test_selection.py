@@ -403,18 +403,8 @@ def test_sibling_ranks():
 
 def test_per_rank_acceptance_learns_alike_one_child_per_parent_or_many():
     """A chain's cycle (one child seen per parent) takes the host-float path; its per-rank counts are the ones the
-    general per-parent update gives, bit for bit, and a tree's cycle (siblings seen) still takes that update."""
-    from specfit_hf.selection.acceptance import _CHILD_DECAY, _MAX_RANKS, AcceptanceModel, sibling_ranks
-
-    def by_parent(model, tree, seen, accepted):  # the general update, for reference
-        ranks, parents = sibling_ranks(tree)[seen], tree.parents.numpy()[seen]
-        for parent in np.unique(parents):
-            among = np.nonzero(parents == parent)[0]
-            rank = np.minimum(ranks[among], _MAX_RANKS - 1)
-            model.rank_accepted[rank] *= _CHILD_DECAY
-            model.rank_trials[rank] *= _CHILD_DECAY
-            np.add.at(model.rank_accepted, rank, accepted[among].astype(np.float64))
-            np.add.at(model.rank_trials, rank, 1.0)
+    general per-parent update gives, bit for bit (a tree's cycle, siblings seen, takes that update)."""
+    from specfit_hf.selection.acceptance import AcceptanceModel, sibling_ranks
 
     chain = DraftTree(root_token=1)
     for level in range(6):
@@ -431,9 +421,7 @@ def test_per_rank_acceptance_learns_alike_one_child_per_parent_or_many():
         for _ in range(3):
             fast.observe(tr, sel, result, greedy=True)
             seen, accepted = acceptance_outcomes(tr, sel, result, include_unverified=True)
-            ref.calibrator.update(tr.draft_probs.numpy()[seen], accepted, tr.depths.numpy()[seen],
-                                  sibling_ranks(tr)[seen])
-            by_parent(ref, tr, seen, accepted)
+            ref._learn_ranks_by_parent(tr.parents.numpy()[seen], sibling_ranks(tr)[seen], accepted)
         assert fast.rank_accepted.tolist() == ref.rank_accepted.tolist()
         assert fast.rank_trials.tolist() == ref.rank_trials.tolist()
         assert fast.rank_trials[0] != AcceptanceModel(AcceptanceCalibrator()).rank_trials[0]  # it learnt

@@ -333,7 +333,11 @@ class AcceptanceModel:
                 rank_accepted[rank] = rank_accepted[rank] * _CHILD_DECAY + float(hit)
                 rank_trials[rank] = rank_trials[rank] * _CHILD_DECAY + 1.0
             self.rank_accepted[:], self.rank_trials[:] = rank_accepted, rank_trials
-            return
+        else:
+            self._learn_ranks_by_parent(parents, ranks, accepted)
+
+    def _learn_ranks_by_parent(self, parents: np.ndarray, ranks: np.ndarray, accepted: np.ndarray) -> None:
+        """Per parent, the outcomes of its seen children by sibling rank (decayed counts, one decay a parent)."""
         for parent in np.unique(parents):
             among = np.nonzero(parents == parent)[0]
             rank = np.minimum(ranks[among], _MAX_RANKS - 1)
