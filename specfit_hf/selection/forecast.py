@@ -10,6 +10,7 @@ does: the union of the root's and the nodes' experts that are not resident.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -180,7 +181,7 @@ class ExpertForecast:
                 return None
         resident = self.experts.resident()
         # each (layer, expert) id is paid by the first row naming it: one unique over all rows
-        offsets = (np.arange(rows.shape[1]) * resident.shape[1])[None, :, None]
+        offsets = _layer_offsets(rows.shape[1], resident.shape[1])
         if padded:
             ids = np.where(rows >= 0, rows + offsets, -1).reshape(count, -1)
             new, row = _first_rows(ids, ids >= 0)
@@ -348,6 +349,14 @@ class ExpertForecast:
         tokens = np.concatenate([[int(tree.root_token)], tree.tokens.numpy()[nodes]])
         self.predictor.observe(tokens, routing)
         return routing
+
+
+@functools.lru_cache(maxsize=8)
+def _layer_offsets(layers: int, num_experts: int) -> np.ndarray:
+    """``[1, L, 1]`` (read-only): each layer's first flat (layer, expert) id, ``layer * num_experts``."""
+    out = (np.arange(layers) * num_experts)[None, :, None]
+    out.setflags(write=False)
+    return out
 
 
 def root_missing(root: np.ndarray, cached: np.ndarray | None) -> int:

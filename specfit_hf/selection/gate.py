@@ -915,9 +915,14 @@ class DraftingGate:
         p = self.depth_acceptance()
         if p is None:
             return None
-        counts = self.state.depth_context[context]
-        q = (counts[0] + _CONTEXT_PRIOR * p) / (counts[1] + _CONTEXT_PRIOR)
-        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
+        hits, tries = self.state.depth_context[context].tolist()
+        # on host floats, in numpy's order (elementwise, then the running product and sum): every lookup cycle
+        out, reach, total = [1.0], 1.0, 0.0
+        for h, t, p_d in zip(hits, tries, p.tolist()):
+            reach *= (h + _CONTEXT_PRIOR * p_d) / (t + _CONTEXT_PRIOR)
+            total += reach
+            out.append(1.0 + total)
+        return np.array(out)
 
     def _regret(self, kind: str, best: str) -> float:
         """Cycles of ``best`` whose tokens one cycle of ``kind`` costs (0 for a kind not measured yet)."""

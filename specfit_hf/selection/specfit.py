@@ -648,10 +648,10 @@ class SpecFitPolicy(SelectionPolicy):
         if here is not None:
             # the best chain at this class's acceptance: where the text repeats, a deeper chain than
             # the one the gate chose on average may be the better bet, and the lookup must beat it
-            ranked = gate.ranked_figures()
+            ranked, here = gate.ranked_figures(), here.tolist()
             for chain, depth in gate.chain_depths:
                 if chain in ranked:
-                    rate = max(rate, float(here[depth]) / max(ranked[chain][1], 1e-12))
+                    rate = max(rate, here[depth] / max(ranked[chain][1], 1e-12))
         q = state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt)
         # against a chain or the tree the hurdle prices the root at the ranked kinds' root mean: lookup
         # roots load less (the forecast below says so), but priced at that the lookup chains took the
