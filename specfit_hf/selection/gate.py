@@ -351,13 +351,13 @@ def chain_novelty(state: DraftingMeasurements) -> np.ndarray:
     """
     sums, counts = state.novelty
     ratios = text_ratios(state.text_novelty)
-    out = np.zeros(_MAX_CHAIN + 1)
-    previous = 1.0
+    sums, counts = sums.tolist(), counts.tolist()  # host floats: the recurrence runs once a cycle
+    out, previous = [0.0], 1.0
     for d in range(_MAX_CHAIN):
         guess = previous * ratios[d]
-        previous = (float(sums[d]) + _NOVELTY_PRIOR * guess) / (float(counts[d]) + _NOVELTY_PRIOR)
-        out[d + 1] = out[d] + previous
-    return out
+        previous = (sums[d] + _NOVELTY_PRIOR * guess) / (counts[d] + _NOVELTY_PRIOR)
+        out.append(out[d] + previous)
+    return np.array(out)
 
 
 def text_ratios(text: np.ndarray) -> list[float]:
