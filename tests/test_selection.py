@@ -683,6 +683,9 @@ class _FixedExperts:
     def predict_with_root(self, tree, nodes):
         return self.predict_root(tree), self.predict(tree, nodes)
 
+    def predict_rows(self, tree, start, stop):
+        return self.predict(tree, np.arange(start, stop))
+
     def can_prefetch(self):
         return False  # a view without a link: nothing to overlap copies with
 

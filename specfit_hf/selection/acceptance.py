@@ -151,9 +151,14 @@ def sibling_ranks(tree: DraftTree) -> np.ndarray:
     return _ranks(tree.parents.numpy(), tree.draft_probs.numpy())
 
 
+def _only_children(parents: np.ndarray) -> bool:
+    """Whether no two of these nodes share a parent (a chain's nodes; a few dozen ids: a set, not a sort)."""
+    return len(set(parents.tolist())) == parents.size
+
+
 def _ranks(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     """Rank of each node among the nodes with the same parent, by ``probs`` descending (ties by index)."""
-    if len(set(parents.tolist())) == parents.size:  # an only child each (a chain): every rank is 0
+    if _only_children(parents):  # a chain: every rank is 0
         return np.zeros(parents.size, dtype=np.int64)
     order = np.lexsort((np.arange(parents.size), -probs, parents))  # by parent, then prob desc
     ranks = np.empty(parents.size, dtype=np.int64)
@@ -324,9 +329,9 @@ class AcceptanceModel:
         ranks = sibling_ranks(tree)[seen]
         self.calibrator.update(probs, accepted, depths, ranks)
         parents = tree.parents.numpy()[seen]
-        order = np.argsort(parents, kind="stable")
-        if parents.size < 2 or (np.diff(parents[order]) > 0).all():
+        if _only_children(parents):
             # one child seen per parent (a chain's nodes): the same updates, parent by parent, on host floats
+            order = np.argsort(parents, kind="stable")
             ranks_, hits = np.minimum(ranks[order], _MAX_RANKS - 1).tolist(), accepted[order].tolist()
             rank_accepted, rank_trials = self.rank_accepted.tolist(), self.rank_trials.tolist()
             for rank, hit in zip(ranks_, hits):

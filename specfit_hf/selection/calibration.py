@@ -159,7 +159,7 @@ def nonnegative_quadratic(m: Sequence[Sequence[float]], r: Sequence[float]) -> l
     after every drafting cycle, where a numpy solve costs more host time than the rest of it.
     """
     n = len(r)
-    sol = _solve_small([list(row) for row in m], list(r))  # every coefficient free (the usual case)
+    sol = _solve_small(m, r)  # every coefficient free (the usual case)
     if sol is not None and min(sol) >= 0:
         return sol
     for free in _ACTIVE_SETS[n][1:]:
@@ -178,7 +178,7 @@ def nonnegative_quadratic(m: Sequence[Sequence[float]], r: Sequence[float]) -> l
 _ACTIVE_SETS = {n: [s for k in range(n, 0, -1) for s in itertools.combinations(range(n), k)] for n in (1, 2, 3)}
 
 
-def _solve_small(a: list[list[float]], b: list[float]) -> list[float] | None:
+def _solve_small(a: Sequence[Sequence[float]], b: Sequence[float]) -> list[float] | None:
     """``a x = b`` for 1x1 to 3x3 ``a`` by Cramer's rule (``None`` when singular)."""
     n = len(b)
     if n == 1:

@@ -234,9 +234,7 @@ class ExpertForecast:
         if need is None:
             start = pred.upto
             if start < n and not pred.done[start:n].any():  # a chain's newest levels: one slice of rows
-                rows = getattr(self.predictor, "predict_rows", None)  # (an ExpertPredictor's; duck-typed ones lack it)
-                pred.nodes[start:n] = (rows(tree, start, n) if rows is not None
-                                       else self.predictor.predict(tree, np.arange(start, n)))
+                pred.nodes[start:n] = self.predictor.predict_rows(tree, start, n)
                 pred.done[start:n] = True
                 pred.upto = n
                 return pred.nodes, pred.root
@@ -384,7 +382,7 @@ def _after_root(root: np.ndarray, cached: np.ndarray | None, num_experts: int) -
     A node set pays for the costly (non-resident) experts it adds; the root pays for its own
     whatever is verified, so they are taken out of what a node can add.
     """
-    off = (np.arange(root.shape[0]) * num_experts)[:, None]
+    off = _layer_offsets(root.shape[0], num_experts)[0]
     costly = np.ones(root.shape[0] * num_experts, dtype=bool) if cached is None else ~cached.reshape(-1)
     before = np.count_nonzero(costly)
     costly[(root + off)[root >= 0]] = False  # the root's distinct costly experts are the ones this clears
@@ -414,7 +412,7 @@ class _ChainMisses:
 
     def __init__(self, root: np.ndarray, cached: np.ndarray) -> None:
         self.root = root
-        self.off = (np.arange(root.shape[0]) * cached.shape[1])[:, None]
+        self.off = _layer_offsets(root.shape[0], cached.shape[1])
         self.costly = ~cached.reshape(-1)  # the experts a row still pays for
         self.out: list[int] = []  # misses of the root, then of the root and each prefix
 
@@ -424,7 +422,7 @@ class _ChainMisses:
             # the new rows at once: each costly id is paid by the first row that names it (one
             # unique over the rows, not one per row; this runs in every fixed chain's cycle)
             rows = np.concatenate([self.root[None], nodes]) if start < 0 else nodes[start:]
-            ids = np.where(rows >= 0, rows + self.off[None], -1).reshape(rows.shape[0], -1)
+            ids = np.where(rows >= 0, rows + self.off, -1).reshape(rows.shape[0], -1)
             new, row = _first_rows(ids, (ids >= 0) & self.costly[np.maximum(ids, 0)])
             paid = np.bincount(row, minlength=rows.shape[0])
             self.costly[new] = False

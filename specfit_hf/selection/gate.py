@@ -904,13 +904,14 @@ class DraftingGate:
         """Decayed count of chain cycles whose first token was tried in lookup context ``context``."""
         return float(self.state.depth_context[context, 1, 0])
 
-    def chain_tokens_in(self, context: int) -> np.ndarray | None:
+    def chain_tokens_in(self, context: int) -> list[float] | None:
         """:meth:`chain_tokens` where the cycle's lookup proposal is of ``context``.
 
         A chain's acceptance follows the text, and so does a lookup proposal's: where the context
         repeats a long span, a draft model accepts more too (GSM8K, 4090 twin: ~5.7 tokens per
         chain cycle after an 8-gram repeat of the answer, ~3.6 where nothing repeats).  Each
-        context's counts are shrunk toward the overall acceptance of each depth.
+        context's counts are shrunk toward the overall acceptance of each depth.  A list of host floats:
+        the lookup's hurdle reads it depth by depth, every lookup cycle.
         """
         p = self.depth_acceptance()
         if p is None:
@@ -922,7 +923,7 @@ class DraftingGate:
             reach *= (h + _CONTEXT_PRIOR * p_d) / (t + _CONTEXT_PRIOR)
             total += reach
             out.append(1.0 + total)
-        return np.array(out)
+        return out
 
     def _regret(self, kind: str, best: str) -> float:
         """Cycles of ``best`` whose tokens one cycle of ``kind`` costs (0 for a kind not measured yet)."""

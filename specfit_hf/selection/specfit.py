@@ -62,7 +62,7 @@ from .lookahead import LookAhead, useful_children
 from .lookup import best_lookup_prefix, lookup_context
 from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
-from .prefetch import DraftingStops, PrefetchHits, named_experts, predicted_residents, prefetch_plan
+from .prefetch import DraftingStops, PrefetchHits, any_missing, named_experts, predicted_residents, prefetch_plan
 from .search import CostModel, closed_part, save_instance, select_chain, select_subtree, useful_nodes
 
 __all__ = ["SpecFitPolicy", "export_measurements", "forget_measurements", "import_measurements"]
@@ -380,7 +380,7 @@ class SpecFitPolicy(SelectionPolicy):
         nodes, root = predicted
         rows, cached = np.concatenate([root[None], nodes[:verified]]), self.forecast.cached
         named = named_experts(rows, cached)
-        if not named[3].any():  # nothing to copy (most plans at a high cache fraction): no plan
+        if not any_missing(rows, cached, named):  # nothing to copy (most plans at a high cache fraction): no plan
             return None, 0.0, None
         view = self.forecast.experts
         each = view.transfer_seconds() or self.costs.t_expert
@@ -648,7 +648,7 @@ class SpecFitPolicy(SelectionPolicy):
         if here is not None:
             # the best chain at this class's acceptance: where the text repeats, a deeper chain than
             # the one the gate chose on average may be the better bet, and the lookup must beat it
-            ranked, here = gate.ranked_figures(), here.tolist()
+            ranked = gate.ranked_figures()
             for chain, depth in gate.chain_depths:
                 if chain in ranked:
                     rate = max(rate, here[depth] / max(ranked[chain][1], 1e-12))
