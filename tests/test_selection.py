@@ -1258,8 +1258,8 @@ def test_chains_past_the_open_depth_are_ranked_only_once_a_chain_near_them_has_l
     state.verify = OnlineCostModel(CostModel(t0=0.004, t_token=0.0001, t_expert=0.0))
     kinds = ["plain", *(f"chain:{h}" for h in range(1, 11)), "tree"]
     gate = DraftingGate(state, True, kinds, 8, 64, open_depth=4)
-    for levels in (1, 2, 3) * 10:
-        state.draft.add(levels, levels, 2e-4 * levels, 0.97)
+    for levels in (1, 2, 3) * 10:  # a level well under _DEEP_LEVEL_SHARE of a verify with its token (deep_levels_cheap)
+        state.draft.add(levels, levels, 1e-4 * levels, 0.97)
     gate.observe("plain", 1, 0.004)
     for _ in range(20):  # every token accepted: the deepest chain the fits price is the fastest
         gate.observe("chain:2", 3, 0.0045, nodes=2, accepted=2)
@@ -1390,6 +1390,38 @@ def test_drafting_cost_separates_a_cycles_first_level_from_the_levels_after_it()
     for _ in range(30):
         same.add(2, 2, 1.3e-3, 0.97)
     assert same.t_cycle == pytest.approx(0.0, abs=1e-6) and same.predict(2, 2) == pytest.approx(1.3e-3)
+
+
+def test_a_deep_level_is_priced_with_the_verify_token_and_the_new_experts_it_adds():
+    """One more level costs its draft forward and its share of the verify: the fit's per-token seconds and the
+    distinct experts the next depth adds.  A draft level well under the share does not open deeper chains
+    where the verify's token (Mixtral ``+graphs``: 0.045 of a verify) or its new experts make the level dear."""
+    from specfit_hf.selection.calibration import OnlineCostModel
+    from specfit_hf.selection.gate import _DEEP_LEVEL_SHARE, PROBE_DEPTH, DraftingGate, DraftingMeasurements
+
+    kinds = ["plain", *(f"chain:{h}" for h in range(1, 11)), "tree"]
+    step = 0.004
+    level = 0.4 * _DEEP_LEVEL_SHARE * step
+
+    def gate_with(t_token: float, t_novel: float) -> DraftingGate:
+        state = DraftingMeasurements(interval=8)
+        state.verify = OnlineCostModel(CostModel(t0=step - t_token, t_token=t_token, t_expert=0.0, t_novel=t_novel))
+        gate = DraftingGate(state, True, kinds, 8, 64, open_depth=4)
+        for levels in (1, 2, 3) * 10:
+            state.draft.add(levels, levels, level * levels, 0.97)
+        state.deepest_led = 4
+        return gate
+
+    assert gate_with(0.0, 0.0).chain_limit() == 4 + PROBE_DEPTH  # the draft level alone: cheap
+    assert gate_with(0.1 * _DEEP_LEVEL_SHARE * step, 0.0).deep_levels_cheap()
+    dear_token = gate_with(0.7 * _DEEP_LEVEL_SHARE * step, 0.0)
+    assert not dear_token.deep_levels_cheap() and dear_token.chain_limit() == 4
+    novelty_gate = gate_with(0.0, 0.0)
+    novelty = novelty_gate.novelty()
+    added = float(novelty[5] - novelty[4])
+    assert added > 0  # the fifth depth brings experts the chain's first four did not name
+    dear_experts = gate_with(0.0, 0.7 * _DEEP_LEVEL_SHARE * step / added)
+    assert not dear_experts.deep_levels_cheap() and dear_experts.chain_limit() == 4
 
 
 def test_a_chain_level_is_priced_by_its_mean_where_the_fit_cannot_split_it_from_the_cycle():

@@ -24,8 +24,8 @@ level's and a verified token's cost (linear in the levels: the guess that gets a
 tried, whose own cycles then correct it); beyond the deepest chain priced by its own cycles,
 by that chain's price plus the fits' extra levels, since the fits' fixed part is what they get
 wrong, verifying the share of its nodes that chain did.  Chains past ``open_depth`` levels (10)
-are ranked only as a chain that leads climbs there, and only where a draft level is cheap against a
-verify (:meth:`DraftingGate.chain_limit`).  The tree's
+are ranked only as a chain that leads climbs there, and only where one more level (its draft forward and
+its verified token's compute) is cheap against a verify (:meth:`DraftingGate.chain_limit`).  The tree's
 tokens are its own, scaled down (never
 up) by how much the chains' acceptance fell since its cycles ran.
 
@@ -508,8 +508,10 @@ class DraftingGate:
         return max(self.open_depth, self.state.deepest_led + PROBE_DEPTH)
 
     def deep_levels_cheap(self) -> bool:
-        """Whether chains may climb past :attr:`open_depth`: a draft level (its forward and its node) costs
-        under :data:`_DEEP_LEVEL_SHARE` of a one-token verify's compute, as fitted (``True`` before both fits).
+        """Whether chains may climb past :attr:`open_depth`: one more level's compute (its draft forward and
+        node, and the verify's share for one more token: the fit's per-token seconds and the distinct experts
+        the chain's next depth adds, :func:`chain_novelty`) costs under :data:`_DEEP_LEVEL_SHARE` of a
+        one-token verify's compute, as fitted (``True`` before both fits).
 
         A level past ten adds a quarter of a token a cycle (GSM8K, fixed 10-, 12- and 14-token chains in one
         job: 0.25-0.28), where a 10-level chain commits about six for ``1 + 10 r`` one-token verifies' worth of
@@ -527,6 +529,15 @@ class DraftingGate:
         chains opened in 29 % of the checks.  The mean carries the cycle's first level: where the fit is sound
         it reads ~10 % above the slope (the eager twins 0.016-0.027 of a verify against 0.015-0.025, the
         ``+graphs`` twin 0.065 against 0.057), and no check on the twins changes.
+
+        The verify's share of the level (``0a90283`` priced the draft's alone): where each token routes to
+        experts of its own, an MoE verify reads each distinct expert once, and one more token costs what its
+        new experts take to read.  On the Mixtral 4090 ``+graphs`` twin that is 0.045 of a verify for the
+        token and 0.43 per root's worth of new experts against 0.035 for the draft level, and its 12- to
+        16-token chains ran at 0.92-0.96 of the 10-token one; on the eager Qwen3 twins, where a verify is
+        host overhead, the token adds 0.003 and the level stays under the share (host time frozen, GSM8K at
+        half cache, 16 prompts, SpecFit ÷ the best of the 10- and 16-token chains: Mixtral ``+graphs``
+        0.946 -> 0.991, Mixtral 0.990 -> 1.024, the 4090, 5090, H100 and GH200 twins unchanged).
         """
         draft, verify = self.state.draft, self.state.verify
         if draft.t_level is None or verify is None:
@@ -536,7 +547,11 @@ class DraftingGate:
         level = draft.chain_level
         if level is None:  # no chain drafted yet: the fit's
             level = draft.t_level + draft.t_node
-        return step <= 0.0 or level < _DEEP_LEVEL_SHARE * step
+        if step <= 0.0:
+            return True
+        novelty = self.novelty()
+        added = novel_at(novelty, self.open_depth + 1) - novel_at(novelty, self.open_depth)
+        return level + fit.t_token + fit.t_novel * added < _DEEP_LEVEL_SHARE * step
 
     def observe_text(self, routing: np.ndarray | None) -> None:
         """A call's prompt routed as ``routing`` (``[T, L, k]``, ``None``: unknown): how its new experts decay with
