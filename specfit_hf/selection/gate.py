@@ -503,9 +503,10 @@ class DraftingGate:
         chain that led at all: Mixtral 4090 twin, GSM8K at 25 % cache, 0.92x: a lucky stretch of
         accepted chains climbed to 15 levels, then the text changed.)
         """
-        if not self.deep_levels_cheap():
+        deeper = self.state.deepest_led + PROBE_DEPTH
+        if deeper <= self.open_depth or not self.deep_levels_cheap():  # the check only where it can matter
             return self.open_depth
-        return max(self.open_depth, self.state.deepest_led + PROBE_DEPTH)
+        return deeper
 
     def deep_levels_cheap(self) -> bool:
         """Whether chains may climb past :attr:`open_depth`: one more level's compute (its draft forward and
