@@ -9,7 +9,9 @@ clock (:mod:`specfit_hf.clock`) charges the twin's time, in place of this CPU's 
   where bytes = non-expert weights + each *distinct* expert the forward computes + the KV
   it reads, FLOPs = 2 x active parameters x tokens + attention, host overhead = kernel
   launches x seconds per launch (zero for the ``+graphs`` variants);
-* every **draft forward** (an EAGLE-3 level: ``midlayer``; its ``lm_head``; the feature
+* every **draft forward** (an EAGLE-3 level: ``midlayer``, or the tree drafter's whole
+  ``draft_forward`` with its embedding, rotary rows and next hidden state; its ``lm_head``, with
+  the children's log-softmax and top-k after it in ``top_children`` (2 more launches); the feature
   projection ``fc``; its expert heads, when it has them), by the same roofline on the public
   draft's sizes (the heads: one linear per real MoE layer, draft hidden -> experts);
 * every **expert transfer**: bytes over the link plus its latency.
@@ -98,8 +100,9 @@ SCALING = {
     "d_real = E_real (1 - (1 - k_real/E_real)^n_eff); the mean over tiny MoE layers stands for each of L_real layers",
     "expert_miss": "one tiny expert transfer = (L_real / L_tiny_moe) x (k_real / k_tiny) real expert transfers "
     "(bytes over the link + latency each)",
-    "draft_level": "a tiny EAGLE-3 level (midlayer over T nodes) = the public draft's decoder layer over T nodes; "
-    "its lm_head and fc calls likewise",
+    "draft_level": "a tiny EAGLE-3 level (midlayer over T nodes; in the tree drafter the whole draft_forward: "
+    "embedding, rotary rows, layer, next hidden state) = the public draft's decoder layer over T nodes; its lm_head "
+    "and fc calls likewise, the lm_head with the children's log-softmax and top-k (top_children: 2 more launches)",
     "expert_heads": "a call of the tiny draft's expert heads over T rows (predict_experts: the stacked heads' "
     "matmul and top-k) = the real heads over T rows: one linear per real MoE layer, draft hidden -> E_real "
     "(L_real x H_draft x E_real parameters) and its kernels; its host side (copying the ids back, bookkeeping) stays "
@@ -267,6 +270,12 @@ class Twin:
     def draft_matmul_seconds(self, params: int, tokens: int) -> float:
         """Modeled seconds of a draft head (``lm_head`` or ``fc``) over ``tokens`` rows (2 launches)."""
         return self._roofline(params * 2, 2 * params * tokens, 2)
+
+    def draft_top_k_seconds(self, tokens: int) -> float:
+        """Modeled seconds of a drafted node's children after the ``lm_head``: a float32 log-softmax over the
+        draft vocabulary and a top-k (2 launches; each reads the ``tokens`` rows of logits)."""
+        nbytes = 2 * tokens * self.model.draft.draft_vocab * 4
+        return self._roofline(nbytes, 0.0, 2)
 
     def expert_heads_seconds(self, tokens: int) -> float:
         """Modeled seconds of the draft's expert heads over ``tokens`` rows (matmul, top-k, copy out)."""
@@ -511,6 +520,15 @@ class TwinTimeline:
             self._hook(mid, self._draft_level_cost)
             self._hook(self.draft.lm_head, lambda a, k, o: self._head_cost(d.lm_head_params, a))
             self._hook(self.draft.fc, lambda a, k, o: self._head_cost(d.fc_params, a))
+            # the tree drafter's forwards, whole: the embedding, rotary rows and next hidden state around the
+            # layer, and the log-softmax and top-k after the lm_head, are device work too (the layer's and the
+            # lm_head's hooks nest inside and leave the charge to these)
+            if hasattr(self.draft, "draft_forward"):
+                self._replace(self.draft, "draft_forward", self._charged(self.draft.draft_forward,
+                                                                         self._draft_level_cost))
+            if hasattr(self.draft, "top_children"):
+                self._replace(self.draft, "top_children", self._charged(self.draft.top_children,
+                                                                        self._top_children_cost))
             if getattr(self.draft, "expert_heads", None) is not None and hasattr(self.draft, "predict_experts"):
                 # the heads run as one stacked matmul (no module call to hook): the method is wrapped, and so
                 # are the functions a generate call's expert predictor makes of them (expert_predictor_fn)
@@ -621,6 +639,10 @@ class TwinTimeline:
         hidden = args[0] if args else kwargs["hidden"]
         rows = int(hidden.numel() // hidden.shape[-1]) if hidden.dim() else 1
         return "expert_heads", self.twin.expert_heads_seconds(rows)
+
+    def _top_children_cost(self, args: tuple, kwargs: dict, output: Any) -> tuple[str, float]:
+        kind, seconds = self._head_cost(self.twin.model.draft.lm_head_params, args)
+        return kind, seconds + self.twin.draft_top_k_seconds(int(output[0].shape[0]))
 
     def _head_cost(self, params: int, args: tuple) -> tuple[str, float]:
         x = args[0]

@@ -177,6 +177,65 @@ def test_expert_heads_are_charged_as_draft_work_on_the_twin(pair):
         runtime.detach()
 
 
+@torch.inference_mode()
+def test_a_tree_drafters_whole_forward_and_top_k_are_charged_as_device_work(pair, monkeypatch):
+    # the rotary rows and embedding around the draft layer, and the log-softmax and top-k after its lm_head,
+    # run on the device in a deployment: a slow CPU for them moves the twin's clock by nothing
+    import time
+
+    from specfit_hf.eagle3.kv import DraftKVCache
+
+    target, draft = pair
+    twin = get_twin(RTX4090 + "+graphs")  # no launch overhead: the roofline alone
+    d = twin.model.draft
+    rows = 3
+    assert twin.draft_top_k_seconds(rows) == pytest.approx(2 * rows * d.draft_vocab * 4 / (1008e9))
+    cls = type(draft)
+    rotary_rows, compute_logits = cls.rotary_rows, cls.compute_logits
+
+    def slow_rotary(self, *args, **kwargs):
+        time.sleep(0.05)
+        return rotary_rows(self, *args, **kwargs)
+
+    def slow_logits(self, *args, **kwargs):
+        time.sleep(0.05)
+        return compute_logits(self, *args, **kwargs)
+
+    ids = torch.randint(0, 96, (1, rows))
+    hidden = torch.randn(rows, draft.config.hidden_size)
+
+    def forward():
+        cache = DraftKVCache()
+        def attend(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, *cache.append(k, v), enable_gqa=True)
+
+        return draft.draft_forward(ids, hidden, range(rows), attend)
+
+    reference_out, reference_next = forward()
+    reference_top = draft.top_children(reference_out, 4)
+    monkeypatch.setattr(cls, "rotary_rows", slow_rotary)
+    monkeypatch.setattr(cls, "compute_logits", slow_logits)
+    runtime = offload_experts(target, device="cpu", cache_fraction=0.5)
+    try:
+        with TwinTimeline(twin, target, draft) as timeline:
+            start = clock()
+            out, nxt = forward()
+            span = clock() - start
+            assert torch.equal(out, reference_out) and torch.equal(nxt, reference_next)
+            assert span == pytest.approx(twin.draft_level_seconds(rows, 0), abs=5e-3)  # not the 50 ms sleep
+            assert timeline.events["draft_level"][0] == 1  # the layer's own hook nests: charged once
+            start = clock()
+            top = draft.top_children(out, 4)
+            span = clock() - start
+            assert all(torch.equal(a, b) for a, b in zip(top, reference_top))
+            assert span == pytest.approx(twin.draft_matmul_seconds(d.lm_head_params, rows)
+                                         + twin.draft_top_k_seconds(rows), abs=5e-3)
+            assert timeline.events["draft_head"][0] == 1
+        assert "draft_forward" not in vars(draft) and "top_children" not in vars(draft)
+    finally:
+        runtime.detach()
+
+
 def test_bench_with_a_twin_labels_rows_and_records_constants(pair):
     from specfit_hf.bench import run_benchmark
 

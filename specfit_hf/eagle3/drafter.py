@@ -110,17 +110,13 @@ class Eagle3TreeDrafter(Drafter):
         ids = torch.from_numpy(tokens.reshape(1, -1))
         if not self._on_cpu:
             ids = ids.to(self.device)
-        rotary = self.model.rotary_rows(positions, hidden)
-        out = self.model.step(ids, hidden[None], None, attend, rotary=rotary)[0]
-        return self._next_hidden(out), out
+        out, nxt = self.model.draft_forward(ids, hidden, positions, attend, self._next_hidden)
+        return nxt, out
 
     def _top_children(self, layer_out: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Top-k log-probs ``[m, k]`` and their *target* token ids ``[m, k]`` of each row's
         next-token distribution, on the host (numpy)."""
-        logits = self.model.compute_logits(layer_out)
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        vals, ids = torch.log_softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        vals, ids = self.model.top_children(layer_out, self.top_k)
         if not self._on_cpu:
             vals, ids = vals.cpu(), ids.cpu()
         return vals.numpy(), self._draft_to_target(ids.numpy())

@@ -516,6 +516,36 @@ class Eagle3DraftModel(PreTrainedModel):
         cos, sin = self.rotary(hidden, position_ids) if rotary is None else rotary
         return self.midlayer(self.embed(input_ids), hidden, cos, sin, attend)
 
+    def draft_forward(
+        self,
+        input_ids: torch.LongTensor,
+        hidden: torch.Tensor,
+        positions: range | np.ndarray,
+        attend: AttendFn,
+        next_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting forward over ``T`` rows, every op of it device work: the rotary rows of the host-known
+        ``positions`` (:meth:`rotary_rows`), the draft layer (:meth:`step`) and the hidden state the next
+        level reads (``next_hidden``: :meth:`next_hidden_fn`'s function, when the caller holds it).
+
+        ``input_ids`` ``[1, T]``, ``hidden`` ``[T, H]``; returns ``(layer output [T, H], next hidden [T, H])``.
+        One method for all of it, so a device twin charges the whole forward as one draft level
+        (:mod:`specfit_hf.twin`) rather than this CPU's time for the ops around the layer.
+        """
+        rotary = self.rotary_rows(positions, hidden)
+        out = self.step(input_ids, hidden[None], None, attend, rotary=rotary)[0]
+        return out, (next_hidden or self.next_hidden_fn())(out)
+
+    def top_children(self, layer_output: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` log-probs and draft-vocabulary ids ``[T, k]`` of each row's next token (on the model's
+        device): :meth:`compute_logits`, a float32 log-softmax and a top-k, the device work of choosing a
+        node's children (a device twin charges it as the ``lm_head`` and two more kernels)."""
+        logits = self.compute_logits(layer_output)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        vals, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return vals, ids
+
     def compute_logits(self, layer_output: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of a layer output (``lm_head(norm(out))``)."""
         return self.lm_head(self.norm(layer_output))
