@@ -642,7 +642,8 @@ class TwinTimeline:
 
     def _top_children_cost(self, args: tuple, kwargs: dict, output: Any) -> tuple[str, float]:
         kind, seconds = self._head_cost(self.twin.model.draft.lm_head_params, args)
-        return kind, seconds + self.twin.draft_top_k_seconds(int(output[0].shape[0]))
+        values = output[0]  # [..., k]: one row per node
+        return kind, seconds + self.twin.draft_top_k_seconds(int(values.numel() // max(values.shape[-1], 1)))
 
     def _head_cost(self, params: int, args: tuple) -> tuple[str, float]:
         x = args[0]
