@@ -11,9 +11,10 @@ import torch
 
 from specfit_hf.generation import SpecFitConfig
 from specfit_hf.generation.lookup import PromptLookup
+from specfit_hf.selection import SelectionPolicy, register_policy
 from specfit_hf.selection.lookup import LookupAcceptance, best_lookup_prefix
 from specfit_hf.testing import tiny_draft, tiny_llama, tiny_qwen3_moe, tiny_target
-from specfit_hf.tree import DraftTree, LookupProposal, VerifyResult
+from specfit_hf.tree import CycleContext, DraftTree, LookupProposal, Selection, VerifyResult
 
 
 def _brute_force_proposal(seq: list[int], max_ngram: int, max_tokens: int, prompt_len: int = 0) -> LookupProposal | None:
@@ -480,3 +481,131 @@ def test_lookup_chain_and_the_plain_step_it_replaces_share_this_cycles_root():
         decisions[root_misses] = policy._lookup_cycle(proposal)
     assert decisions[0] is None  # a 5 ms plain step beats paying 20 ms a copied token
     assert decisions[8] is not None and decisions[8].lookup  # an 85 ms one does not
+
+
+@register_policy("test-lookup-after-a-level")
+class _LookupAfterALevel(SelectionPolicy):
+    """Drafts a level, then verifies the prompt-lookup chain where there is one (the drafted node dropped),
+    else the drafted node: every cycle with a proposal abandons a drafted tree for it."""
+
+    lookup_tokens = 4  # the loop offers prompt-lookup proposals this long
+
+    def select(self, tree: DraftTree, ctx: CycleContext) -> Selection:
+        if len(tree) == 0:
+            return Selection(nodes=torch.empty(0, dtype=torch.long), stop=False, children=1)
+        if ctx.lookup is not None and ctx.lookup.tokens:
+            return Selection(nodes=torch.arange(len(ctx.lookup.tokens)), stop=True, lookup=True)
+        return Selection(nodes=torch.arange(1), stop=True)
+
+
+@pytest.mark.parametrize("draft_kind", ["eagle3", "causal"])
+def test_greedy_matches_generate_when_lookup_chains_replace_drafted_levels(draft_kind):
+    torch.set_num_threads(1)
+    if draft_kind == "eagle3":
+        target, draft = tiny_target(), tiny_draft()
+    else:
+        target, draft = tiny_qwen3_moe(0), tiny_llama(7, layers=1)
+    switched = 0
+    for ids in _looping_prompts(target.config.vocab_size, 10, seed=5):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=24)
+        cfg = SpecFitConfig(policy="test-lookup-after-a-level", max_depth=4, max_new_tokens=24, do_sample=False,
+                            return_dict_in_generate=True)
+        out = target.generate(ids, assistant_model=draft, generation_config=cfg)
+        assert torch.equal(out.sequences, ref), (draft_kind, ids.tolist())
+        switched += sum(c.source == "lookup" and c.draft_seconds > 0 for c in out.cycles)
+    assert switched > 10  # drafted levels were dropped for lookup chains, many times
+
+
+def _drafters_after_a_dropped_level(drafters, target, prompt, tokens, features):
+    """Drafter 0 drafts a level below ``tokens[0]``, then commits a lookup chain that accepted two tokens;
+    drafter 1 commits the same chain without drafting.  Returns each drafter's next tree (two levels)."""
+    feats = features(torch.cat([prompt, torch.tensor([tokens[:3]])], 1))  # None: a drafter that reads none
+    for d in drafters:
+        d.start(prompt, None if feats is None else feats[:, :prompt.shape[1]])
+    drafted = DraftTree(tokens[0])
+    drafters[0].draft_level(drafted)
+    chain = LookupProposal((11, 12, 13), 3).tree(tokens[0])
+    for d in drafters:
+        d.commit(chain, VerifyResult([0, 1], [0, 1, 2], tokens[1:], tokens[3]), None if feats is None else feats[:, -3:])
+    trees = []
+    for d in drafters:
+        tree = DraftTree(tokens[3])
+        for _ in range(2):
+            d.draft_level(tree)
+        trees.append(tree)
+    return trees
+
+
+def test_eagle3_drafter_drops_its_levels_when_a_lookup_chain_is_verified_instead():
+    """A tree the EAGLE-3 draft began and the policy replaced by a lookup chain: the root it read is kept, its
+    drafted level dropped, and the next tree is the one a drafter that never drafted there grows."""
+    target = tiny_target()
+    a, b = tiny_draft(), tiny_draft()
+    drafters = [d.make_tree_drafter(target, type("C", (), {"tree_top_k": 3})()) for d in (a, b)]
+    idx = drafters[0].target_feature_indices
+    prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+
+    def features(seq):
+        with torch.no_grad():
+            out = target(input_ids=seq, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i] for i in idx], dim=-1)
+
+    trees = _drafters_after_a_dropped_level(drafters, target, prompt, [3, 11, 12, 5], features)
+    assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+    torch.testing.assert_close(trees[0].draft_probs, trees[1].draft_probs)
+    # a lookup chain below another root than the tree this drafter began (root 5) is an error, not a mix-up
+    with pytest.raises(ValueError, match="another root"):
+        drafters[0].commit(LookupProposal((7,), 1).tree(9), VerifyResult([], [0], [7], 7), torch.zeros(1, 1, 1))
+
+
+def test_causal_lm_drafter_drops_its_levels_when_a_lookup_chain_is_verified_instead():
+    from specfit_hf.generation.causal_lm_drafter import CausalLMTreeDrafter
+
+    target = tiny_llama(3)
+    drafters = [CausalLMTreeDrafter(tiny_llama(7, layers=1), target, type("C", (), {"tree_top_k": 3})())
+                for _ in range(2)]
+    prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    trees = _drafters_after_a_dropped_level(drafters, target, prompt, [3, 11, 12, 5], lambda seq: None)
+    assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+    torch.testing.assert_close(trees[0].draft_probs, trees[1].draft_probs)
+    assert drafters[0].cache.get_seq_length() == drafters[1].cache.get_seq_length()
+
+
+def test_a_chain_whose_first_token_is_the_lookups_verifies_the_lookup_only_where_it_pays():
+    """After a chain's first level agrees with the lookup proposal, the lookup chain replaces it where the
+    lookup's tokens are right and the chains in such cycles are not; never before that class is measured."""
+    from specfit_hf.selection.lookup import lookup_context
+
+    proposal = LookupProposal((5, 6, 7, 8), ngram=8)
+    context = lookup_context(proposal)
+    tree = DraftTree(4)
+    tree.add_level(torch.tensor([5]), torch.tensor([-1]), torch.tensor([0.9]))
+    decisions = {}
+    for lookup_right, chain_right, agreed_cycles in ((True, False, 30), (False, True, 30), (True, False, 1)):
+        policy = _policy_with_measurements({})
+        for _ in range(agreed_cycles):  # 2-level chains whose first token was the lookup's: the second right or not
+            policy.gate.observe("chain:2", 3 if chain_right else 2, 0.012, nodes=2, accepted=2 if chain_right else 1,
+                                context=context, agreed=True)
+        for _ in range(50):
+            policy.gate.state.lookup.observe(proposal, [5, 6, 7, 8] if lookup_right else [5, 9, 9, 9])
+        policy._kind, policy._context, policy._proposal = "chain:2", context, proposal
+        decisions[lookup_right, agreed_cycles] = policy._agreed_lookup(tree)
+    chain = decisions[True, 30]
+    assert chain is not None and chain.lookup and len(chain.nodes) == 4
+    assert decisions[False, 30] is None  # the chain's tokens are right there and the lookup's are not: it goes on
+    assert decisions[True, 1] is None  # the agreed class has hardly been measured: the chain runs and measures it
+
+
+def test_measurements_carried_over_from_fewer_lookup_classes_gain_the_agreed_ones():
+    """Measurements exported before the agreed classes existed (8 lookup classes, no agreed seconds) still load."""
+    from specfit_hf.selection.gate import DraftingGate, DraftingMeasurements, chain_kinds
+    from specfit_hf.selection.lookup import AGREED, LOOKUP_CONTEXTS
+
+    old = DraftingMeasurements(interval=8)
+    old.depth_context = old.depth_context[:AGREED].copy()
+    old.depth_context[2, 1, 0] = 3.0
+    del old.agreed_seconds
+    gate = DraftingGate(old, True, chain_kinds(4), 8, 16)
+    assert old.depth_context.shape[0] == LOOKUP_CONTEXTS and gate.context_trials(2) == 3.0
+    gate.observe("chain:2", 2, 0.01, nodes=2, accepted=1, context=2, agreed=True)
+    assert gate.context_trials(2 + AGREED) > 0 and old.agreed_seconds.shape == (LOOKUP_CONTEXTS, 2)

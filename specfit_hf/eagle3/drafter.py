@@ -253,8 +253,12 @@ class Eagle3TreeDrafter(Drafter):
         if list(result.new_tokens[:-1]) != [tree_tokens[i] for i in accepted]:
             raise ValueError("result.new_tokens does not start with the accepted nodes' tokens")
         st = self._state
-        if tree is self._tree:
-            # Drop every tree slot: keep the committed prefix (which ends with the root pair).
+        if self._tree is not None:
+            # Drop every tree slot: keep the committed prefix (which ends with the root pair).  The tree
+            # verified may be a prompt-lookup chain the policy chose after this drafter's first levels.
+            other_root = int(tree.root_token) != int(self._tree.root_token)
+            if tree is not self._tree and (tree.source == "draft" or other_root):
+                raise ValueError("commit() got a tree of another root, or a drafted tree this drafter did not grow")
             st.cache.crop_to(self._stable_len)
             st.pending_tokens = [int(t) for t in result.new_tokens[:-1]]
             st.pending_features = [feats]

@@ -230,10 +230,6 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.ctx.lookup = None if self.lookup is None else self.lookup.propose()
         selection = self.policy.select(tree, self.ctx)
         select_s = clock() - t
-        if selection.lookup:  # verify the prompt-lookup chain: nothing to draft
-            if self.ctx.lookup is None:
-                raise RuntimeError(f"{type(self.policy).__name__} selected a lookup chain in a cycle without one")
-            tree = self.ctx.lookup.tree(root_token)
         while not selection.lookup and not selection.stop and tree.num_levels < self.max_depth:
             size_before = len(tree)
             t = clock()
@@ -258,6 +254,12 @@ class TreeCandidateGenerator(CandidateGenerator):
                     self.runtime.prefetch_ahead(selection.prefetch_ahead, selection.keep_resident)
             if len(tree) == size_before:  # the drafter has nothing more to add
                 break
+        if selection.lookup:
+            # verify the prompt-lookup chain: nothing drafted, or the levels drafted are dropped (the drafter's
+            # commit keeps only the root it read)
+            if self.ctx.lookup is None:
+                raise RuntimeError(f"{type(self.policy).__name__} selected a lookup chain in a cycle without one")
+            tree = self.ctx.lookup.tree(root_token)
         candidates = layout_candidates(
             tree, selection, prefix_len, root_position, prefix_hidden, self.device, self.mask_dtype
         )

@@ -195,10 +195,16 @@ class CausalLMTreeDrafter(Drafter):
             raise RuntimeError("CausalLMTreeDrafter.start() must run before commit()")
         accepted = torch.as_tensor(result.accepted, dtype=torch.long)
         accepted_tokens = tree.tokens[accepted].tolist() if accepted.numel() else []
-        if tree.num_levels == 0 or tree.source != "draft" or self._region_anc.numel() == 0:
+        if self._region_anc.numel() == 0:
             # Nothing was drafted this cycle (a plain step, or a prompt-lookup chain): the draft
             # never saw the root nor the accepted tokens.
             self._pending += [tree.root_token] + accepted_tokens
+        elif tree.num_levels == 0 or tree.source != "draft":
+            # Drafted, then a prompt-lookup chain was verified instead: keep the root the draft read, drop
+            # its drafted levels; the accepted tokens are unseen
+            self.cache.keep_prefix_and(self._committed_len, torch.zeros(1, dtype=torch.long))
+            self._committed_len += 1
+            self._pending += accepted_tokens
         else:
             region = self._node_region[accepted] if accepted.numel() else torch.empty(0, dtype=torch.long)
             n_run = int((region >= 0).sum())

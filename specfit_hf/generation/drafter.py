@@ -75,7 +75,9 @@ class Drafter(ABC):
         ``target_features`` covers the root and the accepted nodes, in path order.
         The next cycle's root is ``result.bonus_token``.  A tree this drafter did not grow
         (``tree.source == "lookup"``: a chain copied from the context) commits its root and
-        accepted tokens as tokens the draft has not read yet, like a plain step's root.
+        accepted tokens as tokens the draft has not read yet, like a plain step's root; where this
+        drafter had begun a tree for the same root (the policy chose the lookup chain after a level),
+        its drafted levels are dropped and the root it read is kept.
         """
 
 

@@ -92,7 +92,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .calibration import DecayedRidge, nonnegative_quadratic
-from .lookup import LOOKUP_CONTEXTS, LookupAcceptance
+from .lookup import AGREED, LOOKUP_CONTEXTS, LookupAcceptance
 from .options import MAX_CHAIN
 
 __all__ = [
@@ -233,6 +233,9 @@ class DraftingMeasurements:
     lookup: LookupAcceptance = field(default_factory=LookupAcceptance)  # of prompt-lookup proposals
     # [context, accepted / tried, depth]: chain outcomes by the lookup proposal the cycle had (lookup_context)
     depth_context: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2, _MAX_CHAIN)))
+    # per lookup class, the chain cycles whose first token agreed with the proposal: (measured seconds, their
+    # kind's ranked seconds) decayed like depth_context; what such a cycle costs against the kind's figure
+    agreed_seconds: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2)))
     # [new experts of position d after a start / the start's, windows] of the calls' prompts (routing_novelty, decayed):
     # the text's own decay with depth, the shape unmeasured depths are priced by (chain_novelty)
     text_novelty: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
@@ -462,6 +465,11 @@ class DraftingGate:
         if "tree" not in kinds:
             raise ValueError(f"the drafting gate needs the 'tree' kind among {kinds}")
         self.state = state
+        if state.depth_context.shape[0] < LOOKUP_CONTEXTS:  # measurements carried over from fewer classes
+            state.depth_context = np.concatenate(
+                [state.depth_context, np.zeros((LOOKUP_CONTEXTS - state.depth_context.shape[0], 2, _MAX_CHAIN))])
+        if getattr(state, "agreed_seconds", None) is None:
+            state.agreed_seconds = np.zeros((LOOKUP_CONTEXTS, 2))
         self.enabled = enabled
         self.kinds = list(kinds)
         self.explore_every = explore_every
@@ -906,16 +914,29 @@ class DraftingGate:
         if 1 <= depth <= _MAX_CHAIN:
             self._record_depths(depth - 1, depth, depth if accepted else depth - 1, context)
 
-    def _record_depths(self, first: int, tried: int, accepted: int, context: int | None) -> None:
+    def _record_depths(self, first: int, tried: int, accepted: int, context: int | None,
+                       agreed: bool = False) -> None:
         """Outcomes of chain depths ``first + 1 .. tried`` (0-based slots ``first:tried``): the ones up to
-        ``accepted`` were accepted.  One slice per count (a cycle's depths at once, not one call each)."""
+        ``accepted`` were accepted.  One slice per count (a cycle's depths at once, not one call each).
+        ``agreed``: the chain's first token was the lookup proposal's, and class ``context + AGREED`` counts
+        them too."""
         sums = [self.state.depth_fast, self.state.depth_slow]
         if context is not None:
             sums.append(self.state.depth_context[context])
+            if agreed:
+                sums.append(self.state.depth_context[context + AGREED])
         for s in sums:
             s[0, first:accepted] += 1.0
             s[1, first:tried] += 1.0
         self.state.version += 1
+
+    def agreed_cost(self, context: int) -> float:
+        """What a chain cycle whose first token agreed with a lookup proposal of class ``context`` costs against its
+        kind's ranked seconds (shrunk toward 1 by :data:`_CONTEXT_PRIOR` cycles' worth of the kind's figure)."""
+        measured, figure = self.state.agreed_seconds[context].tolist()
+        cycles = self.context_trials(context + AGREED)
+        prior = _CONTEXT_PRIOR * figure / cycles if cycles > 0 else 0.0
+        return (measured + prior) / (figure + prior) if figure > 0 else 1.0
 
     def context_trials(self, context: int) -> float:
         """Decayed count of chain cycles whose first token was tried in lookup context ``context``."""
@@ -1003,7 +1024,7 @@ class DraftingGate:
     def observe(self, kind: str, tokens: int, seconds: float, loads: int | None = None,
                 root_loads: int | None = None, t_expert: float = 0.0, nodes: int = 0,
                 accepted: int | None = None, context: int | None = None,
-                novelty: list[float] | None = None, path: bool = False) -> None:
+                novelty: list[float] | None = None, path: bool = False, agreed: bool = False) -> None:
         """Add a measured cycle of ``kind``.
 
         ``loads``: experts the cycle loaded, ``root_loads``: of those, the ones the root
@@ -1020,10 +1041,15 @@ class DraftingGate:
         7-node path forecast at 61 ms against 38 ms measured).  With the gate the caller passes it
         only for the draft's top-1 path, which is exactly a chain's nodes: it teaches novelty, the
         node loads and the depths' acceptance like a chain cycle (any other tree path is nodes
-        chosen for their resident experts, not a chain's).
+        chosen for their resident experts, not a chain's).  ``agreed``: a chain cycle whose first
+        drafted token was its lookup proposal's first (its depths count in ``context + AGREED`` too).
         Without ``loads`` the cycle counts with its transfers in its seconds.
         """
         state = self.state
+        if agreed and context is not None and kind.startswith("chain:"):
+            figure = None if self._figures is None else self._figures[1].get(kind)  # as the cycle was ranked
+            if figure is not None and math.isfinite(seconds):
+                state.agreed_seconds[context] += (seconds, figure[1])
         chain_like = kind not in _OWN_NODE_KINDS or (kind == "tree" and path)
         as_chain = chain_like and (kind not in _OWN_NODE_KINDS or self.enabled)  # loads and depths too
         if novelty is not None and nodes and chain_like:  # a chain's depths (a probe's verified)
@@ -1066,10 +1092,11 @@ class DraftingGate:
         state.depth_fast *= 1 - _DEPTH_FAST
         state.depth_slow *= 1 - _DEPTH_SLOW
         state.depth_context *= 1 - _CONTEXT_DECAY
+        state.agreed_seconds *= 1 - _CONTEXT_DECAY
         if as_chain and accepted is not None and nodes:  # a chain, a probe's verified chain, a tree's top-1 path
             # depth d was tried when the d - 1 before it were accepted, and accepted if d <= accepted
             tried = min(accepted + 1, nodes, _MAX_CHAIN)
-            self._record_depths(0, tried, min(accepted, tried), context)
+            self._record_depths(0, tried, min(accepted, tried), context, agreed)
         state.counts[kind] = state.counts.get(kind, 0) + 1
         state.version += 1
         state.last_run[kind] = state.cycle

@@ -24,11 +24,13 @@ import numpy as np
 
 from ..tree import LookupProposal
 
-__all__ = ["LOOKUP_CONTEXTS", "LookupAcceptance", "best_lookup_prefix", "lookup_context"]
+__all__ = ["AGREED", "LOOKUP_CONTEXTS", "LookupAcceptance", "best_lookup_prefix", "lookup_context"]
 
 #: Classes of lookup proposal a draft model's acceptance is tracked by: (copied from the prompt or
-#: from the generated text) x (matched n-gram of 1, 2-3, 4-7 or 8+ tokens).
-LOOKUP_CONTEXTS = 8
+#: from the generated text) x (matched n-gram of 1, 2-3, 4-7 or 8+ tokens), each class again for the
+#: cycles whose first drafted token was the proposal's first token (class + :data:`AGREED`).
+AGREED = 8
+LOOKUP_CONTEXTS = 2 * AGREED
 _NGRAM_CLASS = (0, 0, 1, 1, 2, 2, 2, 2)  # indexed by n < 8: 1 -> 0, 2-3 -> 1, 4-7 -> 2 (8+: 3)
 
 

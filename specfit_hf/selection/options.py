@@ -95,6 +95,11 @@ class SpecFitOptions:
     (a plain step or a chain of 1-2 levels) when its predicted rate is higher
     (:mod:`~specfit_hf.selection.lookup`)."""
 
+    agreed_lookup: bool = True
+    """A chain whose first drafted token is the cycle's lookup proposal's first may verify the lookup chain
+    instead of drafting on, where that is predicted to deliver more than the chains do in such cycles
+    (:meth:`~specfit_hf.selection.specfit.SpecFitPolicy._agreed_lookup`).  Needs ``lookup_tokens``."""
+
     prefetch: bool = True
     """Copy the experts a chain's verify is predicted to need while its levels are drafted: once the
     first level is drafted, the draft's guess of the root's and first node's experts is copied in

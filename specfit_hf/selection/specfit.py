@@ -22,7 +22,8 @@ so the policy degrades to plain decoding or a short chain wherever the draft, li
 host make those faster, and runs the tree wherever it pays.  Then the cycle's
 prompt-lookup chain (the continuation of the context's longest repeated suffix, drafted
 for free) replaces a plain step or a short chain when its throughput-optimal prefix is
-predicted to deliver more (:mod:`~.lookup`).  After verification (:meth:`observe`) each
+predicted to deliver more (:mod:`~.lookup`), and so may the lookup chain of a chain whose first
+drafted token is the proposal's first (:meth:`SpecFitPolicy._agreed_lookup`).  After verification (:meth:`observe`) each
 collaborator learns from the measured cycle.  Options: :class:`~.options.SpecFitOptions`.
 Without an offload runtime there is no expert term.
 """
@@ -59,7 +60,7 @@ from .gate import (
     shared_drafting,
 )
 from .lookahead import LookAhead, useful_children
-from .lookup import best_lookup_prefix, lookup_context
+from .lookup import AGREED, best_lookup_prefix, lookup_context
 from .options import DEFAULT_MAX_CHAIN, MAX_CHAIN, SpecFitOptions
 from .policy import SelectionPolicy, register_policy, top_n_by_path_prob
 from .prefetch import DraftingStops, PrefetchHits, any_missing, named_experts, predicted_residents, prefetch_plan
@@ -180,6 +181,7 @@ class SpecFitPolicy(SelectionPolicy):
         self.prefetch_hits = PrefetchHits()
         self.drafting_stops = DraftingStops()
         self._stopping = False  # this chain cycle drafts its first level alone, to start its guessed copies
+        self._checking = False  # ... or to compare its first token with the lookup proposal's (_agreed_lookup)
         self._stop_copies = 0  # experts this cycle's drafting stop copied (its forecast counts them resident)
         self._residual: float | None = None  # the residual this fixed chain's forecast added (None: not one)
         self._prefetch_counts = (0, 0, 0)  # the runtime's (prefetches, used, used by a root) when last observed
@@ -271,6 +273,15 @@ class SpecFitPolicy(SelectionPolicy):
         nodes = _prefix(n)
         levels = min(depth, self.max_chain)
         if tree.num_levels < levels and n == tree.num_levels:
+            if n == 1 and self._checking:
+                self._checking = False
+                if int(tree.tokens[0]) == self._proposal.tokens[0]:
+                    lookup = self._agreed_lookup(tree)
+                    if lookup is not None:
+                        self._kind = LOOKUP
+                        return lookup
+                if not self._stopping:
+                    return Selection(nodes=nodes, stop=False, expand=_last(n), children=1, levels=levels - 1)
             if n == 1 and self._stopping:  # the other levels draft while the guessed experts move
                 started = clock()
                 draft = self.gate.state.draft
@@ -562,14 +573,21 @@ class SpecFitPolicy(SelectionPolicy):
 
         A fixed chain or a probe drafts all of its levels at once: :meth:`_chain_cycle` and
         :meth:`_probe_cycle` only say "one more" until then, and a call per level was ~10 % of a
-        chain cycle's policy time (GH200 twin, GSM8K).
+        chain cycle's policy time (GH200 twin, GSM8K).  A chain stops after its first level to start
+        its guessed copies (:meth:`_prefetch`) or to compare its first token with the lookup proposal's
+        (:meth:`_agreed_lookup`).
         """
         kind = self._kind
-        self._stopping = False
+        self._stopping = self._checking = False
         if kind.startswith("chain:"):
             levels = max(1, min(kind_depth(kind), self.max_chain))
             self._stopping = levels >= 2 and self._prefetching() and self.drafting_stops.wanted()
-            return 1 if self._stopping else levels
+            # a chain whose first token may agree with a lookup proposal that then pays stops after it
+            # (_agreed_lookup): only where the agreed class is measured enough for the lookup to replace it
+            self._checking = (levels >= 2 and self.options.agreed_lookup and self._proposal is not None
+                              and bool(self._proposal.tokens)
+                              and self.gate.context_trials(self._context + AGREED) >= _CONTEXT_TRIALS)
+            return 1 if self._stopping or self._checking else levels
         if kind.startswith("probe:"):
             return max(1, min(kind_depth(kind) + PROBE_DEPTH, self.max_chain))
         return 1
@@ -658,26 +676,84 @@ class SpecFitPolicy(SelectionPolicy):
         # draft's easy cycles and the calls were slower (host time frozen, CNN/DM prompts 1-16, against
         # this hurdle: 4090 twin at half cache 0.932x, Mixtral 4090 twin at half and 75 % cache 0.962x
         # and 0.981x, H100 twin 1.031x)
-        if guess is not None:
-            # each copied token priced by what the routing of the text it repeats says it adds: the
-            # distinct experts its verify computes and the loads among them (the root is priced as the
-            # hurdle prices its own: this cycle's plain step against plain, the mean against the others)
-            misses, added = guess
-            node_seconds = (verify.t_token + verify.t_novel * np.diff(added)
-                            + state.t_expert * np.diff(self.costs.context_loads(misses)))
-        else:  # the chains' average for every copied token
-            node_seconds = gate.node_seconds(len(proposal.tokens))
-        h, expected, seconds = best_lookup_prefix(q, root_seconds, node_seconds)
-        if expected <= rate * seconds:  # E / T no higher than the best kind's rate here
+        return self._priced_lookup(proposal, q, rate, root_seconds, guess, verify)
+
+    def _priced_lookup(self, proposal: LookupProposal, q: np.ndarray, rate: float, root_seconds: float,
+                       guess: tuple[np.ndarray, np.ndarray] | None, verify: Any,
+                       spent: float = 0.0, beside: float = 0.0) -> Selection | None:
+        """The lookup chain's best prefix at acceptance ``q`` if ``E - rate T`` beats ``beside`` (else ``None``):
+        its ``E / T`` beats ``rate`` where ``beside`` is 0.
+
+        The root costs ``root_seconds`` and ``spent`` more has gone into the cycle already (a drafted level).
+        Each copied token is priced by what the routing of the text it repeats says it adds (``guess``,
+        :meth:`~.forecast.ExpertForecast.lookup_misses`): the distinct experts its verify computes and the
+        loads among them; without a guess, at the chains' average.
+        """
+        gate = self.gate
+        node_seconds = self._copy_seconds(proposal, guess, verify)
+        h, expected, seconds = best_lookup_prefix(q, root_seconds + spent, node_seconds)
+        if expected - rate * seconds <= beside:  # (beside 0: E / T no higher than the best kind's rate here)
             return None
         forecast = seconds - root_seconds + gate.lookup_root_seconds()
         if guess is not None:
             # the forecast of this chain: its root's and copied tokens' loads as the repeat says
+            misses, added = guess
             self._context_guess = int(misses[h])
-            forecast = (gate.plain_seconds(self.costs.context_loads(self._context_guess))
+            forecast = (spent + gate.plain_seconds(self.costs.context_loads(self._context_guess))
                         + h * verify.t_token + verify.t_novel * float(added[h]))
         return Selection(nodes=_prefix(h), expected_tokens=expected, predicted_time=forecast,
                          throughput=expected / max(seconds, 1e-12), stop=True, lookup=True)
+
+    def _copy_seconds(self, proposal: LookupProposal, guess: tuple[np.ndarray, np.ndarray] | None,
+                      verify: Any) -> np.ndarray:
+        """Seconds each of ``proposal``'s tokens adds to a verify: what the routing of the text it repeats says
+        it adds (``guess``: the distinct experts its verify computes and the loads among them), else the
+        chains' average."""
+        if guess is None:
+            return self.gate.node_seconds(len(proposal.tokens))
+        misses, added = guess
+        return (verify.t_token + verify.t_novel * np.diff(added)
+                + self.gate.state.t_expert * np.diff(self.costs.context_loads(misses)))
+
+    def _agreed_lookup(self, tree: DraftTree) -> Selection | None:
+        """After a chain's first drafted level: the cycle's lookup chain instead, where the draft's first token is
+        the proposal's and the lookup chain is worth more than the chains.
+
+        Where the draft's next token is the one the repeated text continues with, the text is being repeated:
+        the lookup is accepted far more there than on average (CPU + emulated ``qwen3-pcie4``, 16 prompts, the
+        chain cycles that had a proposal: its tokens would have committed 3.0-5.6 a cycle where the draft's first
+        token was the proposal's and 1.0-2.2 where it was not on CNN/DM at half cache, 3.3-5.5 and 1.0-1.3 on
+        GSM8K at a quarter cache), and it drafts no further level.  A chain's acceptance in such cycles is its own
+        class (``context + AGREED``: :meth:`~.gate.DraftingGate.chain_tokens_in`), and so is what such a chain
+        cycle costs against its kind's figure (:meth:`~.gate.DraftingGate.agreed_cost`: a chain that repeats
+        text loads fewer experts); a chain runs on until that class has :data:`_CONTEXT_TRIALS` chain cycles
+        (decayed), so both follow the text.
+
+        The two are weighed by what a cycle's tokens are worth beyond its seconds at the gate's kind's rate
+        (``E - R T``), not by ``E / T``: a chain that commits twice the lookup's tokens in twice its time is
+        worth more, since its extra seconds would earn less at the average rate.  The lookup's first token is
+        the draft's, accepted at that class's first-depth rate; its root is priced at the ranked kinds' root mean
+        as :meth:`_lookup_cycle` prices it, and the level drafted is part of its cycle.
+        """
+        gate = self.gate
+        context = self._context + AGREED
+        verify = gate.state.verify.last_fit if gate.state.verify is not None else None
+        if verify is None or gate.context_trials(context) < _CONTEXT_TRIALS:
+            return None
+        here = gate.chain_tokens_in(context)
+        ranked = gate.ranked_figures()
+        figure = ranked.get(self._kind)
+        if here is None or figure is None or "plain" not in gate.state.sums:
+            return None
+        rate = figure[0] / max(figure[1], 1e-12)  # what a cycle's seconds are worth: the gate's kind's tokens
+        cost = gate.agreed_cost(self._context)  # such a chain cycle's seconds against its kind's figure
+        chain = max((here[depth] - rate * cost * ranked[kind][1]
+                     for kind, depth in gate.chain_depths if kind in ranked), default=-math.inf)
+        proposal = self._proposal
+        q = gate.state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt).copy()
+        q[0] = here[1] - 1.0  # the same token as the draft's first
+        return self._priced_lookup(proposal, q, rate, gate.plain_figures()[1], self._repeat_guess(proposal), verify,
+                                   gate.state.draft.predict(1, 1), chain)
 
     def _cycle_models(self, root_predicted: int | None) -> Callable[[int, int], CostModel]:
         """``(levels, nodes) -> cycle cost model`` for this cycle's root (what the look-ahead prices with)."""
@@ -786,7 +862,7 @@ class SpecFitPolicy(SelectionPolicy):
             self.gate.observe("plain" if len(tree) == 0 else self._kind, record.tokens_committed,
                               record.cycle_seconds, loads, root, self.costs.t_expert,
                               record.nodes_verified, record.tokens_accepted, self._context, node_novelty(record),
-                              path=self._chain_like(tree, selection))
+                              path=self._chain_like(tree, selection), agreed=self._agrees(tree))
         committed = list(result.new_tokens[: record.tokens_committed])
         self._follow_shadow(committed)  # an earlier probe's tokens against this cycle's
         if self.lookup_tokens:
@@ -800,6 +876,12 @@ class SpecFitPolicy(SelectionPolicy):
             self._shadow, self._shadow_depth = tree.tokens[depth:].tolist(), depth
             self._shadow_context = self._context
             self._follow_shadow(committed[depth:])
+
+    def _agrees(self, tree: DraftTree) -> bool:
+        """Whether ``tree`` is a drafted chain whose first token is the cycle's lookup proposal's first."""
+        proposal = self._proposal
+        return (proposal is not None and tree.source == "draft" and 0 < len(tree) == tree.num_levels
+                and int(tree.tokens[0]) == proposal.tokens[0])
 
     def _chain_like(self, tree: DraftTree, selection: Selection) -> bool:
         """Whether this tree cycle counts as a chain's for the gate (:meth:`~.gate.DraftingGate.observe`'s ``path``).
