@@ -609,3 +609,22 @@ def test_measurements_carried_over_from_fewer_lookup_classes_gain_the_agreed_one
     assert old.depth_context.shape[0] == LOOKUP_CONTEXTS and gate.context_trials(2) == 3.0
     gate.observe("chain:2", 2, 0.01, nodes=2, accepted=1, context=2, agreed=True)
     assert gate.context_trials(2 + AGREED) > 0 and old.agreed_seconds.shape == (LOOKUP_CONTEXTS, 2)
+
+
+def test_chains_stop_to_compare_with_the_lookup_less_often_where_it_never_replaces_them():
+    from specfit_hf.selection.gate import _CHECK_EVERY, DraftingGate, DraftingMeasurements, chain_kinds
+
+    gate = DraftingGate(DraftingMeasurements(interval=8), True, chain_kinds(4), 8, 16)
+    assert gate.agreed_check_due(3)  # a class never checked
+    for _ in range(10):  # checked, the chain always stayed
+        gate.state.cycle += 1
+        gate.agreed_checked(3, False)
+    assert not gate.agreed_check_due(3)
+    gate.state.cycle += _CHECK_EVERY
+    assert gate.agreed_check_due(3)  # ... but it is checked again now and then
+    for _ in range(3):  # where the lookup is verified instead now and then, every chain checks
+        gate.state.cycle += 1
+        gate.agreed_checked(5, True)
+        gate.agreed_checked(5, False)
+    gate.agreed_checked(5, False)
+    assert gate.agreed_check_due(5)

@@ -236,6 +236,9 @@ class DraftingMeasurements:
     # per lookup class, the chain cycles whose first token agreed with the proposal: (measured seconds, their
     # kind's ranked seconds) decayed like depth_context; what such a cycle costs against the kind's figure
     agreed_seconds: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 2)))
+    # per lookup class, chains stopped after their first level to compare it with the proposal: (checks,
+    # lookups verified instead) decayed per check, and the cycle of the last check (agreed_check_due)
+    agreed_checks: np.ndarray = field(default_factory=lambda: np.zeros((LOOKUP_CONTEXTS, 3)))
     # [new experts of position d after a start / the start's, windows] of the calls' prompts (routing_novelty, decayed):
     # the text's own decay with depth, the shape unmeasured depths are priced by (chain_novelty)
     text_novelty: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
@@ -300,6 +303,10 @@ _OWN_NODE_KINDS = ("tree", LOOKUP)  # kinds whose verified nodes are priced by t
 _REFERENCE = 2  # the chain whose expected tokens the tree's are measured against
 _CONTEXT_DECAY = 0.005  # per-cycle forgetting of the chains' acceptance by lookup context (~200 cycles)
 _CONTEXT_PRIOR = 4.0  # pseudo-trials of the overall per-depth acceptance added to a context's counts
+_CHECK_TRIALS = 4.0  # (decayed) checks of a lookup class before they may be skipped (agreed_check_due) ...
+_CHECK_SHARE = 0.05  # ... while fewer than this share of them verified the lookup instead ...
+_CHECK_EVERY = 16  # ... but for one check in this many cycles
+_CHECK_DECAY = 0.95  # per check of the class (~20 checks of memory)
 _NOVELTY_PRIOR = 1.0  # pseudo-chains: before data, depth d brings what depth d - 1 does times the text's ratio
 _TEXT_WINDOWS = 64  # runs of a prompt's positions its routing_novelty averages over
 _TEXT_DECAY = 0.5  # per call: weight of the earlier prompts' routing_novelty against the newest's
@@ -470,6 +477,8 @@ class DraftingGate:
                 [state.depth_context, np.zeros((LOOKUP_CONTEXTS - state.depth_context.shape[0], 2, _MAX_CHAIN))])
         if getattr(state, "agreed_seconds", None) is None:
             state.agreed_seconds = np.zeros((LOOKUP_CONTEXTS, 2))
+        if getattr(state, "agreed_checks", None) is None:
+            state.agreed_checks = np.zeros((LOOKUP_CONTEXTS, 3))
         self.enabled = enabled
         self.kinds = list(kinds)
         self.explore_every = explore_every
@@ -929,6 +938,22 @@ class DraftingGate:
             s[0, first:accepted] += 1.0
             s[1, first:tried] += 1.0
         self.state.version += 1
+
+    def agreed_check_due(self, context: int) -> bool:
+        """Whether a chain in lookup class ``context`` stops after its first level to compare it with the proposal:
+        while the class has few checks, where at least :data:`_CHECK_SHARE` of them verified the lookup instead,
+        and every :data:`_CHECK_EVERY` cycles otherwise.  A check costs a policy call and the lookup's pricing
+        (~0.1 ms a chain cycle on the GH200 ``+graphs`` twin, GSM8K, where the chains nearly always stay)."""
+        checks, switched, at = self.state.agreed_checks[context].tolist()
+        return checks < _CHECK_TRIALS or switched >= _CHECK_SHARE * checks or self.state.cycle - at >= _CHECK_EVERY
+
+    def agreed_checked(self, context: int, switched: bool) -> None:
+        """A chain in lookup class ``context`` was compared with the proposal after its first level."""
+        row = self.state.agreed_checks[context]
+        row[:2] *= _CHECK_DECAY
+        row[0] += 1.0
+        row[1] += float(switched)
+        row[2] = self.state.cycle
 
     def agreed_cost(self, context: int) -> float:
         """What a chain cycle whose first token agreed with a lookup proposal of class ``context`` costs against its

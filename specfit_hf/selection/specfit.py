@@ -275,11 +275,11 @@ class SpecFitPolicy(SelectionPolicy):
         if tree.num_levels < levels and n == tree.num_levels:
             if n == 1 and self._checking:
                 self._checking = False
-                if int(tree.tokens[0]) == self._proposal.tokens[0]:
-                    lookup = self._agreed_lookup(tree)
-                    if lookup is not None:
-                        self._kind = LOOKUP
-                        return lookup
+                lookup = self._agreed_lookup(tree) if int(tree.tokens[0]) == self._proposal.tokens[0] else None
+                self.gate.agreed_checked(self._context, lookup is not None)
+                if lookup is not None:
+                    self._kind = LOOKUP
+                    return lookup
                 if not self._stopping:
                     return Selection(nodes=nodes, stop=False, expand=_last(n), children=1, levels=levels - 1)
             if n == 1 and self._stopping:  # the other levels draft while the guessed experts move
@@ -586,7 +586,8 @@ class SpecFitPolicy(SelectionPolicy):
             # (_agreed_lookup): only where the agreed class is measured enough for the lookup to replace it
             self._checking = (levels >= 2 and self.options.agreed_lookup and self._proposal is not None
                               and bool(self._proposal.tokens)
-                              and self.gate.context_trials(self._context + AGREED) >= _CONTEXT_TRIALS)
+                              and self.gate.context_trials(self._context + AGREED) >= _CONTEXT_TRIALS
+                              and self.gate.agreed_check_due(self._context))
             return 1 if self._stopping or self._checking else levels
         if kind.startswith("probe:"):
             return max(1, min(kind_depth(kind) + PROBE_DEPTH, self.max_chain))
@@ -752,8 +753,14 @@ class SpecFitPolicy(SelectionPolicy):
         proposal = self._proposal
         q = gate.state.lookup.acceptance(proposal.ngram, len(proposal.tokens), proposal.from_prompt).copy()
         q[0] = here[1] - 1.0  # the same token as the draft's first
-        return self._priced_lookup(proposal, q, rate, gate.plain_figures()[1], self._repeat_guess(proposal), verify,
-                                   gate.state.draft.predict(1, 1), chain)
+        root, spent = gate.plain_figures()[1], gate.state.draft.predict(1, 1)
+        # the lookup at most worth its tokens less its root, level and copies' compute (no loads): most agreeing
+        # cycles stop here, before the repeat's routing is read (~100 us a cycle on the GH200 ``+graphs`` twin)
+        reach = np.cumprod(q)
+        best = float(np.max(1.0 + np.cumsum(reach) - rate * (root + spent + verify.t_token * np.arange(1, q.size + 1))))
+        if best <= chain:
+            return None
+        return self._priced_lookup(proposal, q, rate, root, self._repeat_guess(proposal), verify, spent, chain)
 
     def _cycle_models(self, root_predicted: int | None) -> Callable[[int, int], CostModel]:
         """``(levels, nodes) -> cycle cost model`` for this cycle's root (what the look-ahead prices with)."""
