@@ -184,12 +184,7 @@ def test_eagle3_drafter_commits_a_lookup_chain_as_read_later():
     for i in range(3):
         drafters[1].commit(DraftTree(tokens[i]), VerifyResult([], [0], [tokens[i + 1]], tokens[i + 1]),
                            feats[:, prompt.shape[1] + i:prompt.shape[1] + i + 1])
-    trees = []
-    for d in drafters:
-        tree = DraftTree(tokens[3])
-        for _ in range(2):
-            d.draft_level(tree)
-        trees.append(tree)
+    trees = _next_trees(drafters, tokens[3])
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
     torch.testing.assert_close(trees[0].draft_probs, trees[1].draft_probs)
     drafters[0].commit(trees[0], VerifyResult([], [0], [6], 6), feats[:, -1:])
@@ -527,9 +522,14 @@ def _drafters_after_a_dropped_level(drafters, target, prompt, tokens, features):
     chain = LookupProposal((11, 12, 13), 3).tree(tokens[0])
     for d in drafters:
         d.commit(chain, VerifyResult([0, 1], [0, 1, 2], tokens[1:], tokens[3]), None if feats is None else feats[:, -3:])
+    return _next_trees(drafters, tokens[3])
+
+
+def _next_trees(drafters, root: int) -> list[DraftTree]:
+    """Each drafter's next tree below ``root``, two levels."""
     trees = []
     for d in drafters:
-        tree = DraftTree(tokens[3])
+        tree = DraftTree(root)
         for _ in range(2):
             d.draft_level(tree)
         trees.append(tree)
