@@ -275,7 +275,7 @@ class SpecFitPolicy(SelectionPolicy):
         if tree.num_levels < levels and n == tree.num_levels:
             if n == 1 and self._checking:
                 self._checking = False
-                lookup = self._agreed_lookup(tree) if int(tree.tokens[0]) == self._proposal.tokens[0] else None
+                lookup = self._agreed_lookup(tree) if self._agrees(tree) else None
                 self.gate.agreed_checked(self._context, lookup is not None)
                 if lookup is not None:
                     self._kind = LOOKUP
