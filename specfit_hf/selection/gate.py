@@ -88,12 +88,16 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .calibration import DecayedRidge, nonnegative_quadratic
 from .lookup import AGREED, LOOKUP_CONTEXTS, LookupAcceptance
 from .options import MAX_CHAIN
+
+if TYPE_CHECKING:
+    from .search import CostModel
 
 __all__ = [
     "LOOKUP", "PROBE", "DraftCost", "DraftingGate", "DraftingMeasurements", "chain_kinds", "drafting_measurements",
@@ -244,6 +248,11 @@ class DraftingMeasurements:
     text_novelty: np.ndarray = field(default_factory=lambda: np.zeros((2, _MAX_CHAIN)))
     # (version, chain_novelty) as last computed: the gate and the cost tracker read it many times a cycle
     _novelty: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def verify_fit(self) -> CostModel | None:
+        """The verification fit as last refitted (``None`` before a call has made one)."""
+        return None if self.verify is None else self.verify.last_fit
 
     @property
     def node_loads(self) -> tuple[float, float]:
@@ -661,7 +670,7 @@ class DraftingGate:
             # Its transfers are priced at today's root loads either way: a chain's own loads
             # would price it by the stretch of text and cache it last ran in.
             plain = float(sums["plain"][1] / sums["plain"][2])
-            verify = state.verify.last_fit if state.verify is not None else None
+            verify = state.verify_fit
             draft = state.draft
             drafting = 0.0  # what drafting at all costs a cycle (its first level reads the committed tokens)
             t_novel = 0.0  # seconds a root's worth of new experts costs the verify beyond its loads
@@ -742,7 +751,7 @@ class DraftingGate:
     def node_seconds(self, depth: int, kind: str = LOOKUP) -> np.ndarray | None:
         """Seconds each of ``depth`` more verified tokens of ``kind`` in a chain costs now: its compute and
         the loads of the experts it adds (``None`` before the verification fit exists)."""
-        verify = self.state.verify.last_fit if self.state.verify is not None else None
+        verify = self.state.verify_fit
         if verify is None:
             return None
         loads = self._node_extra_loads(self.state.root_loads or 0.0) * self.node_factor(kind)

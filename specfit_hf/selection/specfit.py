@@ -335,7 +335,7 @@ class SpecFitPolicy(SelectionPolicy):
         gate, costs = self.gate, self.costs
         ct = gate.chain_tokens()
         own = gate.own_seconds(self._kind)
-        verify = gate.state.verify.last_fit if gate.state.verify is not None else None
+        verify = gate.state.verify_fit
         if n < 2 or ct is None or own is None or verify is None or missing is None or ct[n] <= 0:
             return n, expected, seconds
         v = gate.state.sums[self._kind]
@@ -643,7 +643,7 @@ class SpecFitPolicy(SelectionPolicy):
             or (kind in state.sums and gate.ranked_figures().get(kind, (math.inf,))[0] <= _LOOKUP_TOKENS))
         if kind != "plain" and kind != "tree" and not short_chain:
             return None
-        verify = state.verify.last_fit if state.verify is not None else None
+        verify = state.verify_fit
         figures = gate.plain_figures() if kind == "plain" else gate.ranked_figures().get(kind)
         if verify is None or figures is None:  # no verification fit yet: copied tokens cannot be priced
             return None
@@ -738,7 +738,7 @@ class SpecFitPolicy(SelectionPolicy):
         """
         gate = self.gate
         context = self._context + AGREED
-        verify = gate.state.verify.last_fit if gate.state.verify is not None else None
+        verify = gate.state.verify_fit
         if verify is None or gate.context_trials(context) < _CONTEXT_TRIALS:
             return None
         here = gate.chain_tokens_in(context)
